@@ -1,0 +1,48 @@
+"""The learner ranks seen as one `rlhf.protocols.LearnerGroup`: shard, fan out, gather."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from actors.actor_group import ActorGroup
+from rlhf.batching import shard_for_rank
+from rlhf.protocols import Objective
+from rlhf.types import StepMetrics, TrainBatch
+
+
+class RayLearnerGroup:
+    """Each call splits the batch's rows into contiguous per-rank shards (put once in the object
+    store), runs the same method on every rank, and merges the answers."""
+
+    def __init__(self, group: ActorGroup, *, model_path: str, export_dtype: str) -> None:
+        self.group = group
+        self.model_path, self.export_dtype = model_path, export_dtype
+
+    def _shards(self, batch: TrainBatch) -> list[tuple]:
+        n = len(self.group)
+        return [(ray.put(shard_for_rank(batch, r, n)),) for r in range(n)]
+
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        parts = self.group.call_each("logprobs", self._shards(batch), reference=reference)
+        return torch.cat(parts, dim=0)
+
+    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+        per_rank = self.group.call_each("train_step", [(s[0], objective) for s in self._shards(batch)])
+        return per_rank[0]  # already reduced over ranks inside the step
+
+    def save(self, path: str) -> None:
+        self.group.call("save", path, self.model_path, self.export_dtype)
+
+    def load(self, path: str) -> None:
+        self.group.call("load", path)
+
+    def push_weights(self, generator: ray.actor.ActorHandle, transport: object) -> None:
+        """All ranks gather parameters bucket by bucket; rank 0 sends each bucket (see weight_sync)."""
+        self.group.call("push_weights", generator, transport)
+
+    def shutdown(self) -> None:
+        try:
+            self.group.call("shutdown")
+        finally:
+            self.group.kill()

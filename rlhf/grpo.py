@@ -1,0 +1,125 @@
+"""Synchronous, on-policy GRPO: the whole loop in `run_grpo`, one named call per phase.
+
+Algorithmic choices (each a config key):
+1. Group-relative advantages: G completions per prompt, A = (r - mean_group) / std_group;
+   `grpo.scale_by_std=false` drops the std (Dr.GRPO).
+2. PPO-clip objective with asymmetric clip [1 - clip_low, 1 + clip_high] (DAPO clip-higher).
+   With one update per step (the default) the policy that sampled is the one being trained,
+   so old log-probs are the current ones detached: no extra forward pass.
+   With `grpo.updates_per_step > 1` the learners recompute old log-probs once before updating.
+3. KL to a frozen reference only when `grpo.kl_coef > 0` (k1/k2/k3 estimators); otherwise no
+   reference model exists at all.
+4. Token-level loss normalization by default (`token-mean`), over the whole step's tokens on all
+   ranks, so micro-batching and sharding never change the gradient.
+5. Weights are pushed to the generator after every optimizer step, before the next generation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from rlhf.advantages import grpo_advantages
+from rlhf.batching import rollouts_to_batch
+from rlhf.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.config import RunConfig
+from rlhf.data import PromptStream
+from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.objectives import GRPOObjective
+from rlhf.protocols import Cluster, Generator
+from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, TrainBatch
+
+
+def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
+    """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`)."""
+    start = resume_if_asked(cfg, cluster, prompts)
+    objective = GRPOObjective.from_config(cfg.grpo)
+    log = MetricsLogger(cfg.output_dir, total_steps=cfg.grpo.steps, start_step=start, desc="grpo")
+    cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
+    for step in range(start, cfg.grpo.steps):
+        timer, t0 = PhaseTimer(), time.perf_counter()
+        rows = prompts.take(cfg.grpo.prompts_per_step)
+        with timer("generate"):
+            rollouts = generate_rollouts(cluster.generator, rows, prompts.encode(rows), cfg, step, tokenizer)
+        with timer("reward"):
+            rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
+                [rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
+                [c.text for c in rollouts.completions],
+            )
+        advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
+        batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)
+        with timer("train"):
+            train_metrics = update_policy(cluster, batch, objective, cfg)
+        with timer("sync"):
+            cluster.weight_sync.push(version=step + 1)
+        timer.seconds["timing/step_s"] = time.perf_counter() - t0
+        log.log(step, step_metrics(rollouts, batch, train_metrics, timer.seconds))
+        if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+            save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": prompts.state_dict()})
+    log.close()
+
+
+def resume_if_asked(cfg: RunConfig, cluster: Cluster, prompts: PromptStream) -> int:
+    """The step to start from: 0, or the step of the latest checkpoint when `cfg.resume`."""
+    path = latest_checkpoint(cfg.output_dir) if cfg.resume else None
+    if path is None:
+        return 0
+    state = load_checkpoint(path, cluster.learners)
+    prompts.load_state_dict(state["prompts"])
+    print(f"resumed from {path} (step {state['step']})")
+    return int(state["step"])
+
+
+def generate_rollouts(
+    generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int,
+    tokenizer: Any,
+) -> RolloutBatch:
+    """G samples per prompt. The sampling seed derives from (run seed, step), so a resumed run
+    draws the same samples as an uninterrupted one."""
+    gen = cfg.generation
+    sampling = SamplingSpec(
+        n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step,
+    )
+    completions = generator.generate(prompt_ids, sampling)
+    return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size)
+
+
+def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig):
+    """Reference/old log-probs when the objective needs them, then the optimizer update(s).
+    The generator sleeps meanwhile, so colocated learners get its device memory."""
+    cluster.generator.sleep()
+    if cfg.grpo.kl_coef > 0:
+        batch.ref_logprobs = cluster.learners.logprobs(batch, reference=True)
+    if cfg.grpo.updates_per_step > 1:
+        batch.old_logprobs = cluster.learners.logprobs(batch)
+    for _ in range(cfg.grpo.updates_per_step):
+        metrics = cluster.learners.train_step(batch, objective)
+    cluster.generator.wake()
+    return metrics
+
+
+def step_metrics(rollouts: RolloutBatch, batch: TrainBatch, train, seconds: dict[str, float]) -> dict[str, float]:
+    """The per-step record of metrics.jsonl."""
+    r = rollouts.rewards
+    lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
+    gen_tokens = float(lengths.sum())
+    return {
+        "reward/mean": float(r.mean()),
+        "reward/std": float(r.std()) if r.numel() > 1 else 0.0,
+        **rollouts.reward_metrics,
+        "loss": train.loss,
+        "grad_norm": train.grad_norm,
+        "kl": train.values.get("kl", 0.0),
+        "clip_frac": train.values.get("clip_frac", 0.0),
+        "mismatch/logprob_abs_diff": train.values.get("mismatch/logprob_abs_diff", 0.0),
+        **{k: v for k, v in train.values.items() if k not in ("kl", "clip_frac", "mismatch/logprob_abs_diff")},
+        "response_len/mean": float(lengths.mean()),
+        "response_len/max": float(lengths.max()),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions) / len(lengths),
+        **seconds,
+        "throughput/tokens_per_s": (gen_tokens + float(batch.attention_mask.sum())) / seconds["timing/step_s"],
+        "throughput/gen_tokens_per_s": gen_tokens / max(seconds["timing/generate_s"], 1e-9),
+    }

@@ -1,0 +1,190 @@
+"""Token log-probabilities and entropies from causal-LM logits, padded or packed.
+
+Choices:
+1. Alignment: a log-prob sits on the token it scores, out[:, t] = log p(ids[:, t] | ids[:, < t]),
+   so out[:, 0] = 0 (nothing predicts the first token). This is the alignment of
+   `TrainBatch.old_logprobs`, so masks and sampler log-probs line up without shifting.
+2. log p = logit[token] - logsumexp(logits), never log_softmax + gather: log_softmax writes a
+   full [B, T, V] output (and keeps it for backward), logsumexp returns [B, T] and, for fp32
+   logits at temperature 1, keeps only the logits themselves for backward.
+3. The fp32 upcast (and the temperature division) is done on chunks of `chunk_tokens` rows of
+   the flattened [B*T, V] logits, so the transient fp32 copy of bf16 logits is bounded by a chunk
+   in no-grad passes (old/ref log-probs). Under autograd every chunk's upcast input is kept for
+   backward, which is the unavoidable cost of an fp32 softmax gradient.
+4. Logits are divided by the sampling temperature, so the learner's log-probs are those of the
+   distribution the sampler drew from (needed for the PPO ratio against sampler log-probs).
+5. Packed rows ([1, total], sequences back to back, flash-attn `cu_seqlens`): the first token of
+   every sequence gets 0, because the logit before it belongs to the previous sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _next_token_stats(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float, chunk_tokens: int, entropy: bool
+) -> torch.Tensor:
+    """[B, T] statistic of the distribution at each position predicting the *next* token.
+
+    entropy=False: stat[:, t] = log p(ids[:, t+1] | <= t)  (stat[:, T-1] is a dummy 0-target value)
+    entropy=True:  stat[:, t] = H(softmax(logits[:, t] / temperature))
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, T, V = logits.shape
+    # Flatten without copying (a slice logits[:, :-1] would force a copy in reshape); the last
+    # position of each row is computed and discarded by the caller.
+    flat = logits.reshape(B * T, V)
+    # Target of position t is token t+1; the last position gets a dummy target 0.
+    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, 1)], dim=1).reshape(B * T)
+    out = []
+    for start in range(0, B * T, chunk_tokens):
+        chunk = flat[start:start + chunk_tokens].float()
+        if temperature != 1.0:
+            chunk = chunk / temperature
+        lse = torch.logsumexp(chunk, dim=-1)
+        if entropy:
+            # H = lse - sum_v p_v * z_v, with p = softmax(z).
+            out.append(lse - (torch.softmax(chunk, dim=-1) * chunk).sum(-1))
+        else:
+            tgt = targets[start:start + chunk_tokens, None]
+            out.append(chunk.gather(-1, tgt).squeeze(-1) - lse)
+    return torch.cat(out).view(B, T)
+
+
+def _align(stat_next: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Move next-token statistics onto the token they score (shift right, 0 at t=0); mask."""
+    out = torch.nn.functional.pad(stat_next[:, :-1], (1, 0))
+    if mask is not None:
+        out = torch.where(mask.bool(), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Log-prob of every token under a causal LM, aligned on the scored token.
+
+        out[b, 0] = 0
+        out[b, t] = log softmax(logits[b, t-1] / temperature)[input_ids[b, t]]   for t >= 1
+        out[b, t] = 0 where mask[b, t] is False
+
+    Args:
+        logits: [B, T, V] (any float dtype) from a causal LM run over `input_ids`.
+        input_ids: [B, T] long.
+        mask: optional [B, T] bool/0-1, positions to keep (e.g. the loss mask).
+        temperature: the sampling temperature (> 0) the scored tokens were drawn at.
+        chunk_tokens: rows of the flattened [B*T, V] logits upcast to fp32 at a time.
+
+    Returns:
+        [B, T] float32 log-probs (differentiable w.r.t. logits).
+    """
+    return _align(_next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False), mask)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Entropy of the distribution that produced each token, aligned like `token_logprobs`.
+
+        p_t = softmax(logits[b, t-1] / temperature)
+        out[b, t] = -sum_v p_t[v] log p_t[v] = logsumexp(z) - sum_v p_t[v] z_v   (t >= 1)
+        out[b, 0] = 0; out = 0 where mask is False
+
+    Args: logits [B, T, V]; mask optional [B, T]. Returns [B, T] float32 (nats).
+    """
+    dummy_ids = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+    return _align(_next_token_stats(logits, dummy_ids, temperature, chunk_tokens, entropy=True), mask)
+
+
+def sequence_logprobs(token_lp: torch.Tensor, mask: torch.Tensor, *, average: bool = False) -> torch.Tensor:
+    """Log-prob of each sequence from its token log-probs.
+
+        out[b] = sum_t mask[b, t] * token_lp[b, t]                          average=False (DPO)
+        out[b] = sum_t mask[b, t] * token_lp[b, t] / max(1, sum_t mask[b, t])  average=True (SimPO, IPO)
+
+    Args: token_lp [B, T]; mask [B, T] bool/0-1. Returns [B].
+    """
+    m = mask.to(token_lp.dtype)
+    total = (token_lp * m).sum(-1)
+    if average:
+        total = total / m.sum(-1).clamp(min=1.0)
+    return total
+
+
+def pack_sequences(
+    sequences: Sequence[Sequence[int]], *, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate token sequences into one packed row (no padding).
+
+    Returns:
+        input_ids:    [1, total] long, the sequences back to back.
+        position_ids: [1, total] long, restarting at 0 for every sequence (this is what lets
+                      flash-attention varlen kernels and HF's packed path find the borders).
+        cu_seqlens:   [N + 1] int32, cumulative lengths [0, l1, l1+l2, ..., total].
+    """
+    if len(sequences) == 0 or any(len(s) == 0 for s in sequences):
+        raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int32, device=device)
+    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+    position_ids = torch.cat([torch.arange(int(n), dtype=torch.long, device=device) for n in lengths])
+    return input_ids[None], position_ids[None], cu_seqlens
+
+
+def _sequence_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] bool, True on the first token of every packed sequence."""
+    starts = torch.zeros(total, dtype=torch.bool, device=cu_seqlens.device)
+    starts[cu_seqlens[:-1].long()] = True
+    return starts
+
+
+def packed_token_logprobs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """`token_logprobs` for a packed row: out[0, t] = 0 at the first token of every sequence.
+
+        out[0, t] = log softmax(logits[0, t-1] / temperature)[input_ids[0, t]]  if t is not a start
+        out[0, t] = 0                                               if t in cu_seqlens[:-1]
+
+    Args: logits [1, total, V]; input_ids [1, total]; cu_seqlens [N + 1] (int, starts at 0,
+    ends at total). Returns [1, total] float32.
+    """
+    total = input_ids.shape[1]
+    if input_ids.shape[0] != 1 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"packed input must be [1, total] with cu_seqlens[-1] == total, got "
+                         f"{tuple(input_ids.shape)} and cu_seqlens[-1]={int(cu_seqlens[-1])}")
+    keep = ~_sequence_starts(cu_seqlens, total)[None]
+    return token_logprobs(logits, input_ids, keep, temperature=temperature, chunk_tokens=chunk_tokens)
+
+
+def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, *, pad_value: float = 0.0) -> torch.Tensor:
+    """Packed per-token values back to right-padded rows.
+
+        out[i, j] = packed[0, cu_seqlens[i] + j]  for j < l_i, else pad_value
+
+    Args: packed [1, total] (or [total]); cu_seqlens [N + 1]. Returns [N, max_i l_i].
+    """
+    flat = packed.reshape(-1)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    rows = torch.split(flat, lengths.tolist())
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=pad_value)

