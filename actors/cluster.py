@@ -117,6 +117,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     ).remote(
         model_path, cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
         enable_sleep=device.kind != "cpu" and cfg.cluster.placement == "colocated",
+        tensor_parallel_size=cfg.cluster.generator_gpus,
     )
 
     learner_cls = load_class(LEARNERS[cfg.learner.backend])

@@ -38,6 +38,7 @@ from actors.device import detect as detect_device
 from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.logprobs import token_logprobs
+from rlhf.objectives import reduce_metrics
 from rlhf.protocols import Objective
 from rlhf.types import StepMetrics, TrainBatch
 
@@ -100,7 +101,8 @@ class FSDP2Learner:
     def _forward_logprobs(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
         dev = self.device.torch_device(0)
         logits = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
-        return token_logprobs(logits.float(), mb.input_ids.to(dev), mb.loss_mask.to(dev),
+        # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V].
+        return token_logprobs(logits, mb.input_ids.to(dev), mb.loss_mask.to(dev),
                               temperature=self.temperature)
 
     def _aligned_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], int]:
@@ -141,24 +143,22 @@ class FSDP2Learner:
         return out
 
     def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
-        """Forward/backward over micro-batches, clip, one optimizer step. Metrics are reduced
-        over ranks (sums of the objective's per-unit metrics divided by the global denominator)."""
+        """Forward/backward over micro-batches, clip, one optimizer step. Metrics follow the
+        objective's contract (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
         units = torch.tensor([float(sum(objective.num_units(mb) for mb in mbs))], dtype=torch.float64)
         dist.all_reduce(units)
         denominator = max(float(units), 1.0)
         sums: dict[str, float] = {}
-        total_loss = 0.0
         for i in range(count):
             real = i < len(mbs)
             mb = mbs[i] if real else self._dummy(batch)
             lp = self._forward_logprobs(self.model, mb)
             loss, metrics = objective(lp, mb, denominator)
             if not real:
-                loss = loss * 0.0
+                loss, metrics = loss * 0.0, {}
             (loss * self.world_size).backward()
-            total_loss += float(loss.detach()) if real else 0.0
-            for k, v in (metrics.items() if real else ()):
+            for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
@@ -166,15 +166,21 @@ class FSDP2Learner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)
-        packed = torch.tensor([total_loss, *(sums[k] for k in keys)], dtype=torch.float64)
+        return self._reduce(sums, grad_norm=float(grad_norm), num_tokens=int(batch.loss_mask.sum()))
+
+    def _reduce(self, sums: dict[str, float], *, grad_norm: float, num_tokens: int) -> StepMetrics:
+        """All-reduce the metric sums and apply the objective's reduction. The key set is the
+        union over ranks: a rank whose share of the batch was empty has no keys of its own."""
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, sorted(sums))
+        keys = sorted(set().union(*gathered))
+        packed = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_tokens)], dtype=torch.float64)
         dist.all_reduce(packed)
-        ntok = torch.tensor([int(batch.loss_mask.sum())])
-        dist.all_reduce(ntok)
-        values = {k: float(v) / denominator for k, v in zip(keys, packed[1:].tolist())}
+        values = reduce_metrics([dict(zip(keys, packed[:-1].tolist()))])
+        loss = values.pop("loss", 0.0)
+        values.pop("weight", None)
         values["lr"] = self.scheduler.get_last_lr()[0]
-        return StepMetrics(loss=float(packed[0]), grad_norm=float(grad_norm), values=values,
-                           num_tokens=int(ntok))
+        return StepMetrics(loss=loss, grad_norm=grad_norm, values=values, num_tokens=int(packed[-1]))
 
     # ---------------------------------------------------------------- weights out
 
@@ -206,6 +212,8 @@ class FSDP2Learner:
         for bucket in self.iter_weight_buckets(transport.bucket_bytes, transport.dtype):
             if self.rank == 0 and bucket:
                 transport.send(bucket, generator)
+        if self.rank == 0:
+            transport.finish(generator)  # commit: the generator now serves exactly these weights
         dist.barrier()
 
     # ---------------------------------------------------------------- checkpoints

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 import torch
 
+from actors.device import detect
 from rlhf.config import RunConfig
 
 _BUCKET_BYTES = 256 * 2**20  # few calls (per-call overhead vanishes), never a memory spike
@@ -40,6 +41,9 @@ class ObjectStoreTransport:
     def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
         ray.get(generator.update_weights.remote([(n, t.cpu()) for n, t in bucket]))
 
+    def finish(self, generator: Any) -> None:
+        ray.get(generator.finish_weight_update.remote())
+
 
 @dataclass
 class CudaIpcTransport:
@@ -52,9 +56,12 @@ class CudaIpcTransport:
     def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
+        detect().synchronize()  # the bucket's gather kernels must be done before another process reads it
         handles = [(name, reduce_tensor(t.contiguous())) for name, t in bucket]
         ray.get(generator.update_weights_from_ipc.remote(handles))
-        torch.cuda.synchronize()  # noqa: TID251 - GPU-only transport; the generator has copied
+
+    def finish(self, generator: Any) -> None:
+        ray.get(generator.finish_weight_update.remote())
 
 
 @dataclass
@@ -74,14 +81,12 @@ class NcclTransport:
     _comm: Any = field(default=None, repr=False)
 
     def _connect(self, generator: Any) -> None:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
+        from actors.vllm_generator import open_learner_weight_group  # vLLM's own trainer-side group
 
         world = 1 + self.generator_world_size
+        # Both ends must join concurrently: issue the generator's call, open ours, then wait.
         ready = generator.init_weight_update_group.remote(self.master_address, self.master_port, 1, world)
-        group = StatelessProcessGroup.create(host=self.master_address, port=self.master_port, rank=0,
-                                             world_size=world)
-        self._comm = PyNcclCommunicator(group, device=torch.device("cuda", torch.cuda.current_device()))  # noqa: TID251
+        self._comm = open_learner_weight_group(self.master_address, self.master_port, world)
         ray.get(ready)
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
@@ -92,8 +97,11 @@ class NcclTransport:
             [tuple(t.shape) for _, t in bucket],
         )
         for _, t in bucket:
-            self._comm.broadcast(t.contiguous(), src=0, stream=torch.cuda.current_stream())  # noqa: TID251
+            self._comm.broadcast(t.contiguous(), src=0)
         ray.get(done)
+
+    def finish(self, generator: Any) -> None:
+        ray.get(generator.finish_weight_update.remote())
 
 
 class WeightSyncer:

@@ -208,13 +208,16 @@ def _signal_timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
-def _parse_math(text: str, timeout: int | None) -> list[Any]:
+def _parse_bare_math(text: str, timeout: int | None) -> list[Any]:
+    """Parse a bare answer (a reference, or the content of answer tags) with math_verify."""
     from math_verify import parse
 
-    parsed = parse(text, parsing_timeout=timeout)
-    if not parsed and "$" not in text and "\\boxed" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=timeout)  # bare LaTeX such as \frac{1}{2}
-    return parsed
+    if "$" not in text and "\\boxed" not in text:
+        # As LaTeX first: unwrapped, "\{2, 1\}" would be read as the plain expression "1".
+        parsed = parse(f"${text}$", parsing_timeout=timeout)
+        if parsed:
+            return parsed
+    return parse(text, parsing_timeout=timeout)
 
 
 def math_equivalence(prompt: str, completion: str, *, answer: Any, **row: Any) -> float | None:
@@ -237,11 +240,16 @@ def math_equivalence(prompt: str, completion: str, *, answer: Any, **row: Any) -
 
     timeout = _signal_timeout()
     gold_text = extract_final_answer(str(answer), last_number=False) or str(answer)
-    gold = _parse_math(gold_text, timeout)
+    gold = _parse_bare_math(gold_text, timeout)
     if not gold:
         return None
     tagged = answer_block(completion)
-    predicted = _parse_math(tagged, timeout) if tagged else _parse_math(completion, timeout)
+    if tagged:
+        predicted = _parse_bare_math(tagged, timeout)
+    else:
+        from math_verify import parse
+
+        predicted = parse(completion, parsing_timeout=timeout)
     if not predicted:
         return 0.0
     return float(verify(gold, predicted, timeout_seconds=timeout))

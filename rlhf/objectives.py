@@ -47,17 +47,21 @@ def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
         for key, value in part.items():
             total[key] = total.get(key, 0.0) + float(value)
     weight = total.get("weight", 0.0)
-    return {k: v if k in ("loss", "weight") else (v / weight if weight > 0 else 0.0) for k, v in total.items()}
+    kept = ("loss", "weight")
+    return {k: v if k in kept else (v / weight if weight > 0 else 0.0) for k, v in total.items()}
 
 
 @dataclass(frozen=True)
 class GRPOObjective:
     """Clipped GRPO/DAPO/Dr.GRPO policy loss on a `TrainBatch` (see `rlhf.losses.grpo_policy_loss`).
 
-    max_len: Dr.GRPO's constant normalizer for loss_agg="seq-mean-token-sum-norm"; pass the
-    completion-length cap (generation.max_new_tokens). Left None it falls back to each
-    micro-batch's padded width T, which differs between micro-batches and breaks the exact
-    micro-batch/full-batch equivalence.
+    max_len: Dr.GRPO's constant normalizer, required with loss_agg="seq-mean-token-sum-norm":
+    the completion-length cap (generation.max_new_tokens), as TRL's `max_completion_length`.
+    The padded width T is no substitute: micro-batches are trimmed to different widths.
+
+    `batch.old_logprobs=None` means strictly on-policy (one update per step): old = current
+    log-probs detached, so the ratio is exactly 1. With `batch.sampler_logprobs` the metrics also
+    carry "mismatch/logprob_abs_diff", the mean |log p_learner - log p_sampler| over masked tokens.
     """
 
     clip_low: float = 0.2
@@ -71,12 +75,19 @@ class GRPOObjective:
         if self.loss_agg not in get_args(LossAgg):
             raise ValueError(f"loss_agg must be one of {get_args(LossAgg)}, got {self.loss_agg!r}")
         if self.kl_estimator not in get_args(KLEstimator):
-            raise ValueError(f"kl_estimator must be one of {get_args(KLEstimator)}, got {self.kl_estimator!r}")
+            raise ValueError(f"kl_estimator must be one of {get_args(KLEstimator)}, "
+                             f"got {self.kl_estimator!r}")
         if not (0.0 <= self.clip_low < 1.0 and self.clip_high >= 0.0):
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, "
+                             f"got {self.clip_low}, {self.clip_high}")
+        if self.loss_agg == "seq-mean-token-sum-norm" and not self.max_len:
+            raise ValueError("loss_agg='seq-mean-token-sum-norm' (Dr.GRPO) needs max_len, the completion "
+                             "length cap: GRPOObjective.from_config(cfg.grpo, "
+                             "max_len=cfg.generation.max_new_tokens)")
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, *, max_len: int | None = None) -> GRPOObjective:
+        """From the `grpo` config section; max_len = generation.max_new_tokens (needed by Dr.GRPO)."""
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
                    kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, max_len=max_len)
 
@@ -90,20 +101,25 @@ class GRPOObjective:
         self, logprobs: torch.Tensor, batch: TrainBatch, denominator: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(loss, metrics) for one micro-batch; logprobs [B, T]. Metrics per the module docstring:
-        loss, weight (masked tokens), clip_frac, ratio, kl (each times weight)."""
+        loss, weight (masked tokens), clip_frac, ratio, kl and, with sampler log-probs,
+        mismatch/logprob_abs_diff (each times weight)."""
         if self.kl_coef > 0 and batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs batch.ref_logprobs (reference-model log-probs)")
         dev = logprobs.device
+        mask = batch.loss_mask.to(dev)
+        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dev)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev)
         loss, stats = grpo_policy_loss(
-            logprobs, batch.old_logprobs.to(dev), batch.advantages.to(dev), batch.loss_mask.to(dev),
-            clip_low=self.clip_low, clip_high=self.clip_high,
+            logprobs, old, batch.advantages.to(dev), mask, clip_low=self.clip_low, clip_high=self.clip_high,
             loss_agg=self.loss_agg, ref_logprobs=ref, kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator, max_len=self.max_len, denominator=denominator,
         )
-        weight = float(batch.loss_mask.sum())
+        weight = float(mask.sum())
         metrics = {"loss": float(loss.detach()), "weight": weight}
         metrics.update({k: float(v) * weight for k, v in stats.items()})
+        if batch.sampler_logprobs is not None:
+            diff = (logprobs.detach() - batch.sampler_logprobs.to(dev)).abs()
+            metrics["mismatch/logprob_abs_diff"] = float(diff.masked_fill(~mask.bool(), 0.0).sum())
         return loss, metrics
 
 
@@ -194,7 +210,8 @@ class DPOObjective:
                                           gamma=self.simpo_gamma, label_smoothing=self.label_smoothing)
         else:
             if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
-                raise ValueError(f"loss_type={self.loss_type!r} needs ref_chosen_logps and ref_rejected_logps")
+                raise ValueError(f"loss_type={self.loss_type!r} needs batch.ref_chosen_logps and "
+                                 f"batch.ref_rejected_logps")
             ref_c = batch.ref_chosen_logps.to(logprobs.device)
             ref_r = batch.ref_rejected_logps.to(logprobs.device)
             losses, r_c, r_r = dpo_loss(chosen / len_c, rejected / len_r, ref_c / len_c, ref_r / len_r,

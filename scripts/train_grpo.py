@@ -45,14 +45,16 @@ def prepare_run(cfg):
 
     from rewards import load_reward_fn
     from rlhf.assets import resolve_model_path
-    from rlhf.data import PromptStream, load_prompts
+    from rlhf.data import PromptStream, load_prompts, tokenize_prompts
 
     for fn in cfg.reward.functions:
         load_reward_fn(fn.function)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = PromptStream(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
-    return model_path, tokenizer, prompts
+    rows, ids, dropped = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
+    if dropped:
+        print(f"data: dropped {dropped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    return model_path, tokenizer, PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)
 
 
 def run(cfg, model_path: str, tokenizer, prompts) -> None:
@@ -66,7 +68,7 @@ def run(cfg, model_path: str, tokenizer, prompts) -> None:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=address, log_to_driver=True)
     cluster = build_cluster(cfg, model_path)
     try:

@@ -88,7 +88,8 @@ def test_grpo_kl_penalty_added_per_token():
     # A = 0 so only the KL term remains: token-mean of 0.1 * k3 over the 2 masked tokens.
     lp = torch.tensor([[-1.0, -2.0, -3.0]])
     ref = torch.tensor([[-1.5, -1.0, 50.0]])  # masked position holds garbage: must not matter
-    loss, m = grpo_policy_loss(lp, lp, torch.zeros(1), torch.tensor([[1, 1, 0]]), ref_logprobs=ref, kl_coef=0.1)
+    mask = torch.tensor([[1, 1, 0]])
+    loss, m = grpo_policy_loss(lp, lp, torch.zeros(1), mask, ref_logprobs=ref, kl_coef=0.1)
     assert_close(loss, torch.tensor(0.1 * (0.10653066 + 0.71828183) / 2))
     assert_close(m["kl"], torch.tensor((0.10653066 + 0.71828183) / 2))
 
@@ -159,7 +160,8 @@ def test_aggregate_without_denominator_matches_means():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert_close(aggregate_token_loss(per_token, mask, "token-mean"), torch.tensor(7.0 / 3))
     assert_close(aggregate_token_loss(per_token, mask, "seq-mean-token-mean"), torch.tensor((1.5 + 4.0) / 2))
-    assert_close(aggregate_token_loss(per_token, mask, "seq-mean-token-sum-norm"), torch.tensor((3 / 3 + 4 / 3) / 2))
+    dr_grpo = aggregate_token_loss(per_token, mask, "seq-mean-token-sum-norm")
+    assert_close(dr_grpo, torch.tensor((3 / 3 + 4 / 3) / 2))
     assert_close(aggregate_token_loss(per_token, torch.zeros(2, 3), "token-mean"), torch.tensor(0.0))
     with pytest.raises(ValueError, match="loss_agg"):
         aggregate_token_loss(per_token, mask, "sum")  # type: ignore[arg-type]
@@ -173,6 +175,26 @@ def test_grpo_objective_config_pickle_and_kl_requirement():
         obj(torch.zeros(6, 7), _random_batch(1, with_ref=False), 6.0)
     with pytest.raises(ValueError, match="loss_agg"):
         GRPOObjective(loss_agg="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_len"):
+        GRPOObjective.from_config(GRPOConfig(loss_agg="seq-mean-token-sum-norm"))
+
+
+def test_grpo_objective_on_policy_and_sampler_mismatch():
+    # old_logprobs=None: ratio = 1, so token-mean loss = -sum(A * m) / N and d loss / d logp = -A / N.
+    lp = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, -3.0]], requires_grad=True)
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    batch = TrainBatch(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3),
+                       loss_mask=mask, advantages=torch.tensor([2.0, -1.0]),
+                       sampler_logprobs=torch.tensor([[0.0, -1.5, -1.0], [9.0, -0.25, 9.0]]))
+    obj = GRPOObjective()
+    loss, m = obj(lp, batch, obj.num_units(batch))
+    assert_close(loss, torch.tensor(-(2.0 + 2.0 - 1.0) / 3))
+    loss.backward()
+    assert_close(lp.grad, torch.tensor([[0.0, -2 / 3, -2 / 3], [0.0, 1 / 3, 0.0]]))
+    step = reduce_metrics([m])
+    assert step["ratio"] == 1.0 and step["clip_frac"] == 0.0
+    # |lp - sampler| on masked tokens: 0.5, 1.0, 0.25 -> mean 0.5833 (unmasked 9.0s ignored).
+    assert step["mismatch/logprob_abs_diff"] == pytest.approx(1.75 / 3)
 
 
 # ---------------------------------------------------------------------------------------------

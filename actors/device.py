@@ -1,0 +1,131 @@
+"""The one place that talks to the accelerator runtime (`torch.cuda`; ROCm builds map onto it).
+
+Everything else asks `detect()` for a `Device` and calls its methods, so a CPU run and a GPU run go
+through the same code with no `if torch.cuda.is_available()` scattered around. A CI grep can
+enforce it: `torch.cuda` appears in this file only.
+
+Choices:
+1. Two implementations, picked once: CUDA when `torch.cuda.is_available()` (inside a Ray actor that
+   means "this actor was given a GPU"), CPU otherwise.
+2. CPU memory numbers are the process's resident set (`/proc/self/status`: VmRSS, peak VmHWM),
+   because CPU tensors have no allocator of their own to ask; they read 0.0 where /proc is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+_GIB = 2**30
+
+
+class Device(Protocol):
+    """What the learners, generators and weight sync need to know about the accelerator."""
+
+    kind: Literal["cuda", "cpu"]
+    dist_backend: Literal["nccl", "gloo"]
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device (before creating process groups or tensors)."""
+        ...
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        """The torch.device tensors of rank `local_rank` live on."""
+        ...
+
+    def empty_cache(self) -> None:
+        """Return cached, unused blocks to the driver (before a colocated engine wakes up)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for queued kernels (before timing, or before another process reads our memory)."""
+        ...
+
+    def memory_allocated_gib(self) -> float: ...
+
+    def peak_memory_gib(self) -> float: ...
+
+    def reset_peak(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """NVIDIA (and ROCm, which PyTorch exposes through the same `torch.cuda` API)."""
+
+    kind: Literal["cuda", "cpu"] = "cuda"
+    dist_backend: Literal["nccl", "gloo"] = "nccl"
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cuda", local_rank)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_allocated_gib(self) -> float:
+        return torch.cuda.memory_allocated() / _GIB
+
+    def peak_memory_gib(self) -> float:
+        return torch.cuda.max_memory_allocated() / _GIB
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _proc_status_kib(field: str) -> int:
+    """A `kB` line of /proc/self/status (VmRSS, VmHWM), 0 where /proc is unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class CpuDevice:
+    """CPU: gloo process groups, no caches to empty, memory read from the OS."""
+
+    kind: Literal["cuda", "cpu"] = "cpu"
+    dist_backend: Literal["nccl", "gloo"] = "gloo"
+
+    def set_device(self, local_rank: int) -> None:
+        pass
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def empty_cache(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def memory_allocated_gib(self) -> float:
+        return _proc_status_kib("VmRSS") * 1024 / _GIB
+
+    def peak_memory_gib(self) -> float:
+        return _proc_status_kib("VmHWM") * 1024 / _GIB
+
+    def reset_peak(self) -> None:
+        # Writing "5" to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
+        try:
+            with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def detect() -> Device:
+    """CUDA if this process sees a GPU, else CPU."""
+    return CudaDevice() if torch.cuda.is_available() else CpuDevice()

