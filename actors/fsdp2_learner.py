@@ -68,6 +68,8 @@ class FSDP2Learner:
         self._transports: dict[str, object] = {}
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         self.device.set_device(0)
+        # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
+        self._dev = self.device.torch_device(0)
         dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
         self.model = self._build(model_path, model_cfg, trainable=True)
@@ -99,7 +101,7 @@ class FSDP2Learner:
     # ---------------------------------------------------------------- forward passes
 
     def _forward_logprobs(self, model: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
-        dev = self.device.torch_device(0)
+        dev = self._dev
         logits = model(input_ids=mb.input_ids.to(dev), attention_mask=mb.attention_mask.to(dev)).logits
         # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V].
         return token_logprobs(logits, mb.input_ids.to(dev), mb.loss_mask.to(dev),
@@ -108,7 +110,7 @@ class FSDP2Learner:
     def _aligned_micro_batches(self, batch: TrainBatch) -> tuple[list[TrainBatch], int]:
         """This rank's micro-batches and the count every rank must run (the max over ranks)."""
         mbs = micro_batches(batch, self.cfg.micro_batch_size) if len(batch) else []
-        count = torch.tensor([len(mbs)])
+        count = torch.tensor([len(mbs)], device=self._dev)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mbs, int(count)
 
@@ -146,7 +148,9 @@ class FSDP2Learner:
         """Forward/backward over micro-batches, clip, one optimizer step. Metrics follow the
         objective's contract (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
-        units = torch.tensor([float(sum(objective.num_units(mb) for mb in mbs))], dtype=torch.float64)
+        self.device.reset_peak()
+        units = torch.tensor([float(sum(objective.num_units(mb) for mb in mbs))], dtype=torch.float64,
+                             device=self._dev)
         dist.all_reduce(units)
         denominator = max(float(units), 1.0)
         sums: dict[str, float] = {}
@@ -166,6 +170,7 @@ class FSDP2Learner:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
         return self._reduce(sums, grad_norm=float(grad_norm), num_tokens=int(batch.loss_mask.sum()))
 
     def _reduce(self, sums: dict[str, float], *, grad_norm: float, num_tokens: int) -> StepMetrics:
@@ -174,12 +179,17 @@ class FSDP2Learner:
         gathered: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, sorted(sums))
         keys = sorted(set().union(*gathered))
-        packed = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_tokens)], dtype=torch.float64)
+        packed = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_tokens)], dtype=torch.float64,
+                              device=self._dev)
         dist.all_reduce(packed)
-        values = reduce_metrics([dict(zip(keys, packed[:-1].tolist()))])
+        peak = torch.tensor([self.device.peak_memory_gib()], dtype=torch.float64, device=self._dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        packed = packed.tolist()
+        values = reduce_metrics([dict(zip(keys, packed[:-1]))])
         loss = values.pop("loss", 0.0)
         values.pop("weight", None)
         values["lr"] = self.scheduler.get_last_lr()[0]
+        values["memory/learner_peak_gib"] = float(peak)  # max over ranks; CPU: resident-set high-water mark
         return StepMetrics(loss=loss, grad_norm=grad_norm, values=values, num_tokens=int(packed[-1]))
 
     # ---------------------------------------------------------------- weights out
@@ -215,6 +225,7 @@ class FSDP2Learner:
         if self.rank == 0:
             transport.finish(generator)  # commit: the generator now serves exactly these weights
         dist.barrier()
+        self.device.empty_cache()  # the buckets' memory, likewise
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -30,16 +30,21 @@ from actors.device import detect
 from rlhf.config import GenerationConfig
 from rlhf.types import Completion, SamplingSpec
 
+_NO_NCCL = ("generation.backend=hf receives weights through the 'cpu' or 'cuda_ipc' weight sync; "
+            "the NCCL broadcast (split placement) needs generation.backend=vllm")
+
 
 class HFGenerator:
     """`rlhf.protocols.Generator` on transformers, with VLLMGenerator's weight-update methods."""
 
-    def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool) -> None:
+    def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int,
+                 enable_sleep: bool, tensor_parallel_size: int = 1) -> None:
+        """Same signature as VLLMGenerator; `cfg`, `enable_sleep` and `tensor_parallel_size` have nothing to configure here
+        (every sampling knob arrives with each SamplingSpec)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers import GenerationConfig as HFGenerationConfig
 
         self.device = detect()
-        self.cfg = cfg
         self.seed = seed
         self._calls = 0
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -47,8 +52,11 @@ class HFGenerator:
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         # Stop on what vLLM stops on: the tokenizer's EOS plus generation_config's EOS list.
-        self.eos_ids = sorted({*eos, *([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])})
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = sorted(set(eos))
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
         model.generation_config = HFGenerationConfig()  # choice 2
         self.model = model.to(self.device.torch_device(0)).eval()
 
@@ -62,8 +70,8 @@ class HFGenerator:
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompt_ids], device=dev)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)
         # Greedy leaves the sampling knobs unset: transformers warns about any it would ignore.
-        knobs = {} if sampling.temperature == 0 else dict(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))  # 0: no top-k
+        knobs = {} if sampling.temperature == 0 else dict(  # top_k 0: no top-k
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=max(sampling.top_k, 0))
         config = HFGenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=sampling.temperature > 0,
@@ -79,14 +87,16 @@ class HFGenerator:
         with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
             out = self.model.generate(input_ids=ids.repeat_interleave(sampling.n, 0),
-                                      attention_mask=mask.repeat_interleave(sampling.n, 0), generation_config=config)
+                                      attention_mask=mask.repeat_interleave(sampling.n, 0),
+                                      generation_config=config)
         scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
         return [self._completion(row, lp, sampling.ignore_eos)
                 for row, lp in zip(out.sequences[:, width:].tolist(), scores.float().tolist())]
 
     def _completion(self, tokens: list[int], logprobs: list[float], ignore_eos: bool) -> Completion:
         """Cut a generated row after its first EOS (kept); the rest is HF's padding."""
-        stop = None if ignore_eos else next((i for i, t in enumerate(tokens) if t in self.eos_ids), None)
+        eos = () if ignore_eos else self.eos_ids
+        stop = next((i for i, t in enumerate(tokens) if t in eos), None)
         end = len(tokens) if stop is None else stop + 1
         tokens = tokens[:end]
         return Completion(token_ids=tokens, logprobs=logprobs[:end],
@@ -101,6 +111,25 @@ class HFGenerator:
         unexpected = self.model.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"update_weights: the model has no tensors named {unexpected[:5]}")
+
+    def update_weights_from_ipc(self, handles: list[tuple[str, tuple]]) -> None:
+        """One bucket as [(name, reduce_tensor(cuda_tensor))] from a learner on the same GPU: map the
+        learner's memory, copy, synchronise (the learner may then free it). GPU only, untested."""
+        index = self.device.torch_device(0).index
+        tensors = []
+        for name, (rebuild, args) in handles:
+            args = list(args)
+            args[6] = index  # the device ordinal in reduce_tensor's args: same GPU, our numbering
+            tensors.append((name, rebuild(*args)))
+        self.update_weights(tensors)
+        self.device.synchronize()
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                 world_size: int) -> None:
+        raise NotImplementedError(_NO_NCCL)
+
+    def update_weights_from_nccl(self, names: list[str], dtypes: list[str], shapes: list) -> None:
+        raise NotImplementedError(_NO_NCCL)
 
     def finish_weight_update(self) -> None:
         """Nothing to commit: each bucket is live as soon as `update_weights` returns."""

