@@ -40,8 +40,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     """
     start = resume_if_asked(cfg, cluster, prompts)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
-    log = MetricsLogger(cfg.output_dir, total_steps=cfg.grpo.steps, start_step=start, desc="grpo")
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
+    log = MetricsLogger(cfg.output_dir, total_steps=cfg.grpo.steps, start_step=start, desc="grpo")
     for step in range(start, cfg.grpo.steps):
         timer, t0 = PhaseTimer(), time.perf_counter()
         rows, prompt_ids = map(list, zip(*prompts.take(cfg.grpo.prompts_per_step)))
