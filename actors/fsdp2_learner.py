@@ -42,7 +42,6 @@ from rlhf.objectives import reduce_metrics
 from rlhf.protocols import Objective
 from rlhf.types import StepMetrics, TrainBatch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class FSDP2Learner:
@@ -89,7 +88,7 @@ class FSDP2Learner:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if trainable and model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[model_cfg.dtype], reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -237,7 +236,7 @@ class FSDP2Learner:
         out = Path(path)
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            _export_hf(full, model_path, out / "model", _DTYPES[export_dtype])
+            _export_hf(full, model_path, out / "model", getattr(torch, export_dtype))
         state = {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
@@ -284,10 +283,4 @@ def _export_hf(state: dict[str, torch.Tensor], model_path: str, out: Path, dtype
             del tensors[k]
         seen[ptr] = k
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def bucket_bytes_default() -> int:
-    """256 MiB per transfer: few enough calls that per-call overhead vanishes, small enough that
-    a bucket is never a memory spike."""
-    return 256 * 2**20
 

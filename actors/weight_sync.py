@@ -28,7 +28,12 @@ from actors.device import detect
 from rlhf.config import RunConfig
 
 _BUCKET_BYTES = 256 * 2**20  # few calls (per-call overhead vanishes), never a memory spike
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _commit(generator: Any) -> None:
+    """After the last bucket, whatever the transport: the generator commits the update and from
+    then on serves exactly these weights."""
+    ray.get(generator.finish_weight_update.remote())
 
 
 @dataclass
@@ -41,8 +46,7 @@ class ObjectStoreTransport:
     def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
         ray.get(generator.update_weights.remote([(n, t.cpu()) for n, t in bucket]))
 
-    def finish(self, generator: Any) -> None:
-        ray.get(generator.finish_weight_update.remote())
+    finish = staticmethod(_commit)
 
 
 @dataclass
@@ -60,8 +64,7 @@ class CudaIpcTransport:
         handles = [(name, reduce_tensor(t.contiguous())) for name, t in bucket]
         ray.get(generator.update_weights_from_ipc.remote(handles))
 
-    def finish(self, generator: Any) -> None:
-        ray.get(generator.finish_weight_update.remote())
+    finish = staticmethod(_commit)
 
 
 @dataclass
@@ -100,8 +103,7 @@ class NcclTransport:
             self._comm.broadcast(t.contiguous(), src=0)
         ray.get(done)
 
-    def finish(self, generator: Any) -> None:
-        ray.get(generator.finish_weight_update.remote())
+    finish = staticmethod(_commit)
 
 
 class WeightSyncer:
@@ -109,13 +111,11 @@ class WeightSyncer:
 
     def __init__(self, learners: Any, generator_actor: Any, transport: Any) -> None:
         self.learners, self.generator, self.transport = learners, generator_actor, transport
-        self.seconds: list[float] = []
 
     def push(self, version: int) -> float:
         start = time.perf_counter()
         self.learners.push_weights(self.generator, self.transport)
-        self.seconds.append(time.perf_counter() - start)
-        return self.seconds[-1]
+        return time.perf_counter() - start
 
 
 def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, master_port: int) -> Any:
@@ -123,7 +123,7 @@ def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, mast
     kind = cfg.cluster.weight_sync
     if kind == "auto":
         kind = "cpu" if device_kind == "cpu" else ("cuda_ipc" if cfg.cluster.placement == "colocated" else "nccl")
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = getattr(torch, cfg.model.dtype)  # config dtypes are torch attribute names
     if kind == "cpu":
         return ObjectStoreTransport(dtype=dtype)
     if device_kind == "cpu":
