@@ -25,7 +25,7 @@ _EXPORTS = {
     "entropy_from_logits": "rlhf.logprobs",
     "unpack": "rlhf.logprobs",
     "aggregate_token_loss": "rlhf.losses",
-    "PreferenceBatch": "rlhf.objectives",
+    "PreferenceBatch": "rlhf.types",
     "reduce_metrics": "rlhf.objectives",
     "GRPOObjective": "rlhf.objectives",
     "DPOObjective": "rlhf.objectives",
@@ -64,5 +64,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from rlhf.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs, sequence_logprobs,
                                token_logprobs, unpack)
     from rlhf.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
-    from rlhf.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
-    from rlhf.types import Completion, PromptRow, SamplingSpec, TrainBatch
+    from rlhf.objectives import DPOObjective, GRPOObjective, reduce_metrics
+    from rlhf.types import Completion, PreferenceBatch, PromptRow, SamplingSpec, TrainBatch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.types import RolloutBatch, TrainBatch
+from rlhf.types import PreferenceBatch, RolloutBatch, TrainBatch
 
 
 def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: int) -> TrainBatch:
@@ -35,32 +35,23 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     )
 
 
-def shard_for_rank(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
-    """Rank `rank`'s contiguous share of the rows. Shares differ by at most one row; a rank may get
-    none when B < world_size (it still joins the collectives with an empty batch)."""
+Batch = TrainBatch | PreferenceBatch
+
+
+def shard_for_rank(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Rank `rank`'s contiguous share of the items (rows, or pairs of rows). Shares differ by at
+    most one item; a rank may get none when there are fewer items than ranks (it still joins the
+    collectives with an empty batch)."""
     bounds = torch.linspace(0, len(batch), world_size + 1).round().long().tolist()
     return batch.select(slice(bounds[rank], bounds[rank + 1]))
 
 
-def micro_batches(batch: TrainBatch, size: int) -> list[TrainBatch]:
-    """Split into micro-batches of at most `size` rows, each trimmed to its own longest sequence
-    (right padding beyond it is dead compute)."""
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """Split into micro-batches of at most `size` sequences (a preference pair counts as two and is
+    never split), each trimmed to its own longest sequence (right padding beyond it is dead compute)."""
+    per = max(1, size // batch.rows_per_item)
     out = []
-    for start in range(0, len(batch), size):
-        mb = batch.select(slice(start, start + size))
-        t = int(mb.attention_mask.sum(dim=1).max())
-        out.append(_trim(mb, t))
+    for start in range(0, len(batch), per):
+        mb = batch.select(slice(start, start + per))
+        out.append(mb.trim(int(mb.attention_mask.sum(dim=1).max())))
     return out
-
-
-def _trim(batch: TrainBatch, t: int) -> TrainBatch:
-    cut = slice(None), slice(0, t)
-    return TrainBatch(
-        input_ids=batch.input_ids[cut],
-        attention_mask=batch.attention_mask[cut],
-        loss_mask=batch.loss_mask[cut],
-        advantages=batch.advantages,
-        old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs[cut],
-        ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[cut],
-        sampler_logprobs=None if batch.sampler_logprobs is None else batch.sampler_logprobs[cut],
-    )

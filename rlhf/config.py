@@ -124,7 +124,32 @@ class DPOConfig:
     simpo_gamma: float = 0.5
     """SimPO target margin (only with loss_type=simpo)."""
     epochs: int = 1
+    """Passes over the training pairs."""
     pairs_per_step: int = 8
+    """Preference pairs per optimizer step (each pair is two sequences in the same forward pass)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: run all epochs)."""
+    dataset: str = "arithmetic_pairs"
+    """Preference pairs: a built-in set (`arithmetic_pairs`, `countdown_pairs`: a correct worked answer
+    against a wrong one, built offline from the task generators; `hhh_alignment`: BIG-bench's pairs),
+    `jsonl:<path>` / `parquet:<path>`, or `hf:<dataset>[:<split>]`. Rows hold `prompt`, `chosen`,
+    `rejected` as text or chat messages (UltraFeedback-binarized and HH-RLHF layouts are detected)."""
+    num_train: int = 512
+    """Training pairs: generated for built-in task sets, the first N rows otherwise (0: all rows)."""
+    num_eval: int = 64
+    """Held-out pairs (disjoint from training) for the preference accuracy in `eval/` metrics."""
+    max_length: int = 512
+    """Tokens of prompt + response per sequence; longer pairs are handled by `truncation`."""
+    max_prompt_length: int = 256
+    """Prompt tokens kept when truncating (the prompt's *last* tokens, nearest the response)."""
+    truncation: Literal["truncate", "drop"] = "truncate"
+    """Over-long pairs: `truncate` keeps the prompt (its last `max_prompt_length` tokens) and cuts both
+    responses to fit `max_length`; `drop` removes the pair and counts it."""
+    on_malformed: Literal["error", "skip"] = "error"
+    """Rows missing a field or with an empty response: `error` stops naming the row, `skip` counts them."""
+    precompute_ref: bool = False
+    """Reference log-probs for the whole dataset in one pass before training, cached on disk under
+    output_dir (reused on resume); off: computed per batch by the reference model on the learners."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,6 +168,26 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
     """Sequences per forward/backward; gradients accumulate over a rank's share of the step."""
+    pack_sequences: bool = False
+    """Padding-free micro-batches: rows packed back to back into one with restarting position ids.
+    Pays off with varlen attention (flash-attention on GPU); under SDPA the block mask is dense."""
+    deepspeed_config: str | None = None
+    """DeepSpeed only: a JSON file merged over the generated DeepSpeed config (batch sizes and the
+    ZeRO stage stay the learner's), for users bringing their OpenRLHF/TRL settings."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    n: int = 1
+    """Completions sampled per held-out prompt."""
+    k: tuple[int, ...] = (1,)
+    """pass@k values reported (unbiased estimator over the n samples); each k <= n."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0: greedy, only with n=1)."""
+    max_new_tokens: int = 0
+    """Completion length cap for evaluation (0: generation.max_new_tokens)."""
+    num_prompts: int = 0
+    """Held-out prompts evaluated during training (0: all `data.num_eval`); a fixed subset."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +213,8 @@ class RunConfig:
     resume: bool = False
     """Continue from the latest checkpoint under output_dir."""
     eval_every: int = 0
-    """Evaluate pass@1 on the eval split every N steps (0: never)."""
+    """Evaluate every N steps (0: never): pass@k on held-out prompts (GRPO), preference accuracy on
+    held-out pairs (DPO); logged under `eval/` in metrics.jsonl."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -176,6 +222,7 @@ class RunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -200,6 +247,22 @@ def _validate(c: RunConfig) -> None:
     _check(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", "a number in [0, 0.5)", d.label_smoothing)
     _check(d.epochs >= 1, "dpo.epochs", "an integer >= 1", d.epochs)
     _check(d.pairs_per_step >= 1, "dpo.pairs_per_step", "an integer >= 1", d.pairs_per_step)
+    _check(d.max_steps >= 0, "dpo.max_steps", "an integer >= 0 (0 = all epochs)", d.max_steps)
+    _check(d.num_train >= 0, "dpo.num_train", "an integer >= 0 (0 = all rows)", d.num_train)
+    _check(d.num_eval >= 0, "dpo.num_eval", "an integer >= 0", d.num_eval)
+    _check(d.max_prompt_length >= 1, "dpo.max_prompt_length", "an integer >= 1", d.max_prompt_length)
+    _check(d.max_length > d.max_prompt_length, "dpo.max_length", "an integer > dpo.max_prompt_length",
+           d.max_length)
+    ev = c.eval
+    _check(ev.n >= 1, "eval.n", "an integer >= 1", ev.n)
+    _check(len(ev.k) >= 1 and all(1 <= k <= ev.n for k in ev.k), "eval.k", f"integers in [1, eval.n={ev.n}]",
+           list(ev.k))
+    _check(ev.temperature >= 0, "eval.temperature", "a number >= 0", ev.temperature)
+    _check(ev.n == 1 or ev.temperature > 0, "eval.temperature", "> 0 when eval.n > 1 (greedy samples are "
+           "all the same)", ev.temperature)
+    _check(ev.max_new_tokens >= 0, "eval.max_new_tokens", "an integer >= 0 (0 = generation.max_new_tokens)",
+           ev.max_new_tokens)
+    _check(ev.num_prompts >= 0, "eval.num_prompts", "an integer >= 0 (0 = all of data.num_eval)", ev.num_prompts)
     _check(l.lr > 0 and math.isfinite(l.lr), "learner.lr", "a finite number > 0", l.lr)
     _check(l.weight_decay >= 0, "learner.weight_decay", "a number >= 0", l.weight_decay)
     _check(all(0 <= b < 1 for b in l.betas), "learner.betas", "two numbers in [0, 1)", l.betas)

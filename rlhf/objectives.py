@@ -29,7 +29,7 @@ import torch
 from rlhf.config import DPOConfig, GRPOConfig
 from rlhf.logprobs import sequence_logprobs
 from rlhf.losses import KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, simpo_loss
-from rlhf.types import TrainBatch
+from rlhf.types import PreferenceBatch, TrainBatch
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
 
@@ -121,41 +121,6 @@ class GRPOObjective:
             diff = (logprobs.detach() - batch.sampler_logprobs.to(dev)).abs()
             metrics["mismatch/logprob_abs_diff"] = float(diff.masked_fill(~mask.bool(), 0.0).sum())
         return loss, metrics
-
-
-@dataclass
-class PreferenceBatch:
-    """P preference pairs as one right-padded batch of 2P rows: chosen rows first, then rejected.
-
-    input_ids:          [2P, T] long; row i is prompt+chosen_i, row P+i is prompt+rejected_i.
-    attention_mask:     [2P, T] bool, True on real tokens.
-    loss_mask:          [2P, T] bool, True on response tokens.
-    ref_chosen_logps:   [P] float, *summed* reference log-prob of each chosen response
-                        (`DPOObjective.sequence_logps` on the reference model's token log-probs);
-                        None for SimPO, which has no reference.
-    ref_rejected_logps: [P] float, same for the rejected responses.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor
-    ref_chosen_logps: torch.Tensor | None = None
-    ref_rejected_logps: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        """Number of pairs P (half the rows)."""
-        return self.input_ids.shape[0] // 2
-
-    def select(self, index: slice | torch.Tensor) -> PreferenceBatch:
-        """Pairs `index` (both rows of each pair stay together, chosen rows first)."""
-        pairs = torch.arange(len(self))[index]
-        rows = torch.cat([pairs, pairs + len(self)]).to(self.input_ids.device)
-
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[pairs.to(t.device)]
-
-        return PreferenceBatch(self.input_ids[rows], self.attention_mask[rows], self.loss_mask[rows],
-                               pick(self.ref_chosen_logps), pick(self.ref_rejected_logps))
 
 
 @dataclass(frozen=True)

@@ -98,20 +98,102 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    # Learners treat both batch types alike through these: rows per item, select, trim, dummy, gather.
+    rows_per_item = 1
+
     def select(self, index: slice | torch.Tensor) -> TrainBatch:
         """Rows `index` of every tensor (micro-batching and sharding across ranks)."""
-        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[index]
+        return self._map(lambda t: t[index], advantages=self.advantages[index])
+
+    def trim(self, width: int) -> TrainBatch:
+        """Columns [0, width) of every [B, T] tensor (drop right padding)."""
+        return self._map(lambda t: t[:, :width], advantages=self.advantages)
+
+    def _map(self, f, *, advantages: torch.Tensor) -> TrainBatch:
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else f(t)
 
         return TrainBatch(
-            input_ids=self.input_ids[index],
-            attention_mask=self.attention_mask[index],
-            loss_mask=self.loss_mask[index],
-            advantages=self.advantages[index],
-            old_logprobs=rows(self.old_logprobs),
-            ref_logprobs=rows(self.ref_logprobs),
-            sampler_logprobs=rows(self.sampler_logprobs),
+            input_ids=f(self.input_ids), attention_mask=f(self.attention_mask), loss_mask=f(self.loss_mask),
+            advantages=advantages, old_logprobs=opt(self.old_logprobs), ref_logprobs=opt(self.ref_logprobs),
+            sampler_logprobs=opt(self.sampler_logprobs),
         )
+
+    def dummy(self) -> TrainBatch:
+        """One padding token with an empty loss mask and the same optional fields: a pass that keeps
+        a rank's collectives in step with the others and adds nothing to the loss."""
+        zeros = torch.zeros((1, 1))
+        return TrainBatch(
+            input_ids=torch.zeros((1, 1), dtype=torch.long), attention_mask=torch.ones((1, 1), dtype=torch.bool),
+            loss_mask=torch.zeros((1, 1), dtype=torch.bool), advantages=torch.zeros(1),
+            old_logprobs=None if self.old_logprobs is None else zeros,
+            ref_logprobs=None if self.ref_logprobs is None else zeros,
+            sampler_logprobs=None if self.sampler_logprobs is None else zeros,
+        )
+
+    @staticmethod
+    def gather_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-row outputs of contiguous shards (in shard order) back into batch row order."""
+        return torch.cat(parts, dim=0)
+
+
+@dataclass
+class PreferenceBatch:
+    """P preference pairs as one right-padded batch of 2P rows: chosen rows first, then rejected,
+    so one forward pass scores both responses of every pair.
+
+    input_ids:          [2P, T] long; row i is prompt+chosen_i, row P+i is prompt+rejected_i.
+    attention_mask:     [2P, T] bool, True on real tokens.
+    loss_mask:          [2P, T] bool, True on response tokens.
+    ref_chosen_logps:   [P] float, *summed* reference log-prob of each chosen response
+                        (`DPOObjective.sequence_logps` on the reference model's token log-probs);
+                        None for SimPO, which has no reference.
+    ref_rejected_logps: [P] float, same for the rejected responses.
+
+    `len()` counts pairs; selecting pairs keeps both rows of each pair (chosen block first).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    ref_chosen_logps: torch.Tensor | None = None
+    ref_rejected_logps: torch.Tensor | None = None
+
+    rows_per_item = 2
+
+    def __len__(self) -> int:
+        """Number of pairs P (half the rows)."""
+        return self.input_ids.shape[0] // 2
+
+    def select(self, index: slice | torch.Tensor) -> PreferenceBatch:
+        """Pairs `index` (both rows of each pair stay together, chosen rows first)."""
+        pairs = torch.arange(len(self))[index]
+        rows = torch.cat([pairs, pairs + len(self)]).to(self.input_ids.device)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[pairs.to(t.device)]
+
+        return PreferenceBatch(self.input_ids[rows], self.attention_mask[rows], self.loss_mask[rows],
+                               pick(self.ref_chosen_logps), pick(self.ref_rejected_logps))
+
+    def trim(self, width: int) -> PreferenceBatch:
+        """Columns [0, width) of the token tensors (drop right padding)."""
+        cut = slice(None), slice(0, width)
+        return PreferenceBatch(self.input_ids[cut], self.attention_mask[cut], self.loss_mask[cut],
+                               self.ref_chosen_logps, self.ref_rejected_logps)
+
+    def dummy(self) -> PreferenceBatch:
+        """One pair of single padding tokens with empty loss masks (see TrainBatch.dummy)."""
+        ref = None if self.ref_chosen_logps is None else torch.zeros(1)
+        return PreferenceBatch(torch.zeros((2, 1), dtype=torch.long), torch.ones((2, 1), dtype=torch.bool),
+                               torch.zeros((2, 1), dtype=torch.bool), ref, None if ref is None else ref.clone())
+
+    @staticmethod
+    def gather_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+        """Per-row outputs of pair shards ([2p_r, ...] each, chosen block first) back into the
+        batch's row order: all chosen rows, then all rejected rows."""
+        halves = [p.chunk(2) if p.shape[0] else (p, p) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
 @dataclass(frozen=True)

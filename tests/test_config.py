@@ -26,9 +26,13 @@ ALLOWED_KEYS = {
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",
     "dpo.beta", "dpo.loss_type", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.epochs", "dpo.pairs_per_step",
+    "dpo.max_steps", "dpo.dataset", "dpo.num_train", "dpo.num_eval", "dpo.max_length", "dpo.max_prompt_length",
+    "dpo.truncation", "dpo.on_malformed", "dpo.precompute_ref",
     "learner.backend", "learner.num_ranks", "learner.zero_stage", "learner.offload_optimizer",
     "learner.offload_params", "learner.lr", "learner.weight_decay", "learner.betas", "learner.warmup_steps",
     "learner.max_grad_norm", "learner.micro_batch_size",
+    "learner.pack_sequences", "learner.deepspeed_config",
+    "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_gpus", "cluster.weight_sync", "cluster.address",
 }
 

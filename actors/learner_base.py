@@ -1,0 +1,257 @@
+"""What every learner rank does the same way, whatever shards its model (FSDP2, DeepSpeed ZeRO).
+
+One instance per rank (a Ray actor made by `actors.learner_group`); every public method is a
+collective: all ranks call it with their own shard of the batch. A backend subclasses
+`LearnerRank` and provides five things: build the model/optimizer, `_backward`, `_optimizer_step`,
+`_full_parameters` (full tensors one at a time, for weight sync and export) and `save`/`load`.
+
+Shared choices:
+1. Loss normalization is global: each rank's micro-batch losses are divided by the whole step's
+   denominator (tokens, sequences or pairs over all ranks), so gradients are exactly those of the
+   full-batch loss however the batch is split. Data-parallel backends average gradients over
+   ranks, so `_backward` receives the loss already multiplied by world_size.
+2. Every rank runs the same number of forward/backward passes (sharded collectives need it): a
+   rank with fewer rows runs zero-weight dummy micro-batches.
+3. Batches are `TrainBatch` (GRPO) or `PreferenceBatch` (DPO: chosen and rejected of a pair in
+   the same micro-batch, so one forward pass scores both); nothing here tells them apart.
+4. `learner.pack_sequences`: the rows of a micro-batch go through the model as one padding-free
+   row with restarting position ids (transformers builds the block-diagonal mask, or flash
+   attention's varlen path), and the log-probs are unpacked back to [b, T].
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from actors.device import detect as detect_device
+from rlhf.batching import Batch, micro_batches
+from rlhf.config import LearnerConfig
+from rlhf.logprobs import pack_sequences, packed_token_logprobs, token_logprobs
+from rlhf.objectives import reduce_metrics
+from rlhf.protocols import Objective
+from rlhf.types import StepMetrics
+
+
+class LearnerRank:
+    """Rank bookkeeping, micro-batching, the train/log-prob loops and weight export."""
+
+    model: torch.nn.Module
+    reference: torch.nn.Module | None
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
+                 learner_cfg: LearnerConfig, temperature: float, seed: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.cfg, self.temperature = learner_cfg, temperature
+        self.device = detect_device()
+        self._transports: dict[str, object] = {}
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        self.device.set_device(0)
+        # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
+        self._dev = self.device.torch_device(0)
+        if not dist.is_initialized():
+            dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
+        torch.manual_seed(seed)
+
+    # ---------------------------------------------------------------- backend hooks
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> float:
+        """Clip, step the optimizer and scheduler, zero the grads; return the global grad norm."""
+        raise NotImplementedError
+
+    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, full tensor) of every weight, one at a time; ranks other than 0 may get None.
+        A collective: every rank iterates the same names in the same order."""
+        raise NotImplementedError
+
+    def _current_lr(self) -> float:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- forward passes
+
+    def _forward_logprobs(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
+        """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs."""
+        dev = self._dev
+        ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
+        if not self.cfg.pack_sequences or ids.shape[0] == 1:
+            logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False).logits
+            # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V].
+            return token_logprobs(logits, ids, mask, temperature=self.temperature)
+        lengths = mb.attention_mask.sum(-1).tolist()
+        packed, positions, cu = pack_sequences([row[:n].tolist() for row, n in zip(mb.input_ids, lengths)],
+                                               device=dev)
+        logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
+        flat = packed_token_logprobs(logits, packed, cu, temperature=self.temperature)[0]
+        out = torch.zeros(ids.shape, dtype=flat.dtype, device=dev)
+        out = out.masked_scatter(mb.attention_mask.to(dev), flat)  # row-major order = packing order
+        return out.masked_fill(~mask.bool(), 0.0)
+
+    def _aligned_micro_batches(self, batch: Batch) -> tuple[list[Batch], int]:
+        """This rank's micro-batches and the count every rank must run (the max over ranks)."""
+        mbs = micro_batches(batch, self.cfg.micro_batch_size) if len(batch) else []
+        count = torch.tensor([len(mbs)], device=self._dev)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return mbs, int(count)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        """Token log-probs [rows, T] of this rank's rows (policy or reference), on CPU."""
+        model = self.reference if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs asked for, but the learner was built without a reference")
+        was_training = model.training
+        model.eval()
+        mbs, count = self._aligned_micro_batches(batch)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        row = 0
+        for i in range(count):
+            mb = mbs[i] if i < len(mbs) else batch.dummy()
+            lp = self._forward_logprobs(model, mb).cpu()
+            if i < len(mbs):
+                # A micro-batch of a PreferenceBatch holds its chosen rows then its rejected rows.
+                rows = _batch_rows(batch, mb, row)
+                out[rows, : lp.shape[1]] = lp
+                row += len(mb)
+        model.train(was_training)
+        return out
+
+    def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
+        """Forward/backward over micro-batches, clip, one optimizer step. Metrics follow the
+        objective's contract (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
+        mbs, count = self._aligned_micro_batches(batch)
+        self.device.reset_peak()
+        units = torch.tensor([float(sum(objective.num_units(mb) for mb in mbs))], dtype=torch.float64,
+                             device=self._dev)
+        dist.all_reduce(units)
+        denominator = max(float(units), 1.0)
+        sums: dict[str, float] = {}
+        for i in range(count):
+            real = i < len(mbs)
+            mb = mbs[i] if real else batch.dummy()
+            lp = self._forward_logprobs(self.model, mb)
+            loss, metrics = objective(lp, mb, denominator)
+            if not real:
+                loss, metrics = loss * 0.0, {}
+            self._backward(loss * self.world_size)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        grad_norm = self._optimizer_step()
+        self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
+        return self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
+
+    def _reduce(self, sums: dict[str, float], *, grad_norm: float, num_tokens: int) -> StepMetrics:
+        """All-reduce the metric sums and apply the objective's reduction. The key set is the
+        union over ranks: a rank whose share of the batch was empty has no keys of its own."""
+        gathered: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(gathered, sorted(sums))
+        keys = sorted(set().union(*gathered))
+        packed = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_tokens)], dtype=torch.float64,
+                              device=self._dev)
+        dist.all_reduce(packed)
+        peak = torch.tensor([self.device.peak_memory_gib()], dtype=torch.float64, device=self._dev)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        packed = packed.tolist()
+        values = reduce_metrics([dict(zip(keys, packed[:-1]))])
+        loss = values.pop("loss", 0.0)
+        values.pop("weight", None)
+        values["lr"] = self._current_lr()
+        values["memory/learner_peak_gib"] = float(peak)  # max over ranks; CPU: resident-set high-water mark
+        return StepMetrics(loss=loss, grad_norm=grad_norm, values=values, num_tokens=int(packed[-1]))
+
+    # ---------------------------------------------------------------- weights out
+
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full (unsharded) parameters in HF names, grouped into buckets of about `bucket_bytes`.
+
+        A collective: every rank iterates, each parameter is gathered once, and only rank 0 keeps
+        the full tensors (others yield empty buckets). Peak extra memory on rank 0 is one bucket,
+        never the whole model.
+        """
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in self._full_parameters():
+            if self.rank == 0:
+                bucket.append((name, full.detach().to(dtype)))
+                size += full.numel() * full.element_size()
+            if size >= bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket or self.rank != 0:
+            yield bucket
+
+    def push_weights(self, generator: object, transport: object) -> None:
+        """Send the current weights to `generator` through `transport` (actors.weight_sync):
+        every rank helps gather, rank 0 sends. Returns once the generator has loaded them.
+        The first transport of a kind is kept, so a connection it opens (NCCL) lives on."""
+        transport = self._transports.setdefault(type(transport).__name__, transport)
+        for bucket in self.iter_weight_buckets(transport.bucket_bytes, transport.dtype):
+            if self.rank == 0 and bucket:
+                transport.send(bucket, generator)
+        if self.rank == 0:
+            transport.finish(generator)  # commit: the generator now serves exactly these weights
+        dist.barrier()
+        self.device.empty_cache()  # the buckets' memory, likewise
+
+    def export_hf(self, model_path: str, out: Path, dtype: torch.dtype) -> None:
+        """Write an HF folder (the source model's config/tokenizer plus our weights as safetensors)
+        from rank 0, gathering one parameter at a time. A collective."""
+        state = {name: full.detach().to("cpu", dtype) for name, full in self._full_parameters()
+                 if self.rank == 0}
+        if self.rank == 0:
+            export_hf(state, model_path, out)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _batch_rows(batch: Batch, mb: Batch, start: int) -> torch.Tensor | slice:
+    """Rows of `batch` that micro-batch `mb` (items start..start+len(mb)) occupies."""
+    if batch.rows_per_item == 1:
+        return slice(start, start + len(mb))
+    items = torch.arange(start, start + len(mb))
+    return torch.cat([items, items + len(batch)])
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over `warmup_steps` optimizer steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+
+
+def load_hf_model(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
+    """The model in fp32 (master weights; the backend casts for compute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def export_hf(state: dict[str, torch.Tensor], model_path: str, out: Path) -> None:
+    """An HF folder: the source model's config/tokenizer files plus `state` as safetensors."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_path).iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+    tensors = {k: v.contiguous() for k, v in state.items()}
+    # Tied embeddings share storage; safetensors refuses aliases, and HF re-ties on load.
+    seen: dict[int, str] = {}
+    for k in list(tensors):
+        ptr = state[k].data_ptr()
+        if ptr in seen:
+            del tensors[k]
+        seen[ptr] = k
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
