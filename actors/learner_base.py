@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from actors.device import detect as detect_device
-from rlhf.batching import Batch, micro_batches
+from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig
 from rlhf.logprobs import pack_sequences, packed_token_logprobs, token_logprobs
 from rlhf.objectives import reduce_metrics
 from rlhf.protocols import Objective
-from rlhf.types import StepMetrics
+from rlhf.types import Batch, StepMetrics
 
 
 class LearnerRank:

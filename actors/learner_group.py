@@ -8,26 +8,26 @@ import torch
 from actors.actor_group import ActorGroup
 from rlhf.batching import shard_for_rank
 from rlhf.protocols import Objective
-from rlhf.types import StepMetrics, TrainBatch
+from rlhf.types import Batch, StepMetrics
 
 
 class RayLearnerGroup:
-    """Each call splits the batch's rows into contiguous per-rank shards (put once in the object
+    """Each call splits the batch's items (rows, or preference pairs) into contiguous per-rank shards (put once in the object
     store), runs the same method on every rank, and merges the answers."""
 
     def __init__(self, group: ActorGroup, *, model_path: str, export_dtype: str) -> None:
         self.group = group
         self.model_path, self.export_dtype = model_path, export_dtype
 
-    def _shards(self, batch: TrainBatch) -> list[tuple]:
+    def _shards(self, batch: Batch) -> list[tuple]:
         n = len(self.group)
         return [(ray.put(shard_for_rank(batch, r, n)),) for r in range(n)]
 
-    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
+    def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
         parts = self.group.call_each("logprobs", self._shards(batch), reference=reference)
-        return torch.cat(parts, dim=0)
+        return batch.gather_rows(parts)
 
-    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+    def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         per_rank = self.group.call_each("train_step", [(s[0], objective) for s in self._shards(batch)])
         return per_rank[0]  # already reduced over ranks inside the step
 

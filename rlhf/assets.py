@@ -1,7 +1,7 @@
 """Model and task files that git does not hold, fetched from the package registry into `.cache/rlhf/`.
 
     python -m rlhf.assets fetch                    # the defaults below (scripts/setup.sh runs this)
-    python -m rlhf.assets fetch qwen2-tokenizer    # an optional extra
+    python -m rlhf.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment
     python -m rlhf.assets list                     # what exists, where, and whether it is fetched
 
 Choices:
@@ -59,6 +59,10 @@ GAME24 = PackageMember("tree-of-thoughts-llm==0.1.0", "tot/data/24/24.csv")
 QWEN2_VOCAB = PackageMember(
     "llama-cpp-python==0.3.36", "vendor/llama.cpp/models/ggml-vocab-qwen2.gguf", sdist=True
 )
+# 358 MB sdist (the whole benchmark); four small JSON files of it are kept.
+HHH_SUBSETS = ("harmless", "helpful", "honest", "other")
+HHH_ALIGNMENT = [PackageMember("bigbench==1.0.0", f"bigbench/benchmark_tasks/hhh_alignment/{s}/task.json",
+                               sdist=True) for s in HHH_SUBSETS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +273,43 @@ def fetch_qwen2_tokenizer(force: bool = False) -> Path:
     return final
 
 
+def hhh_pairs(task: dict, subset: str) -> list[dict[str, str]]:
+    """BIG-bench hhh_alignment examples (`input` and two `target_scores`, 1 = the better reply) as
+    prompt / chosen / rejected rows."""
+    rows = []
+    for n, ex in enumerate(task["examples"]):
+        scores = ex["target_scores"]
+        best = [t for t, v in scores.items() if v == 1]
+        worse = [t for t, v in scores.items() if v == 0]
+        if len(best) != 1 or len(worse) != 1:
+            raise AssetError(f"hhh_alignment/{subset} example {n}: expected one reply scored 1 and one "
+                             f"scored 0, got {sorted(scores.values())}")
+        rows.append({"prompt": ex["input"].strip(), "chosen": best[0].strip(), "rejected": worse[0].strip(),
+                     "subset": subset})
+    return rows
+
+
+def fetch_hhh_alignment(force: bool = False) -> Path:
+    """BIG-bench's 221 helpful/honest/harmless preference pairs as `data/hhh_alignment.jsonl`, read
+    out of the `bigbench` source package without building or installing it."""
+    final = data_file("hhh_alignment.jsonl")
+    if is_fetched(final) and not force:
+        return final
+    downloads = cache_dir() / "downloads"
+    rows: list[dict[str, str]] = []
+    try:
+        archive = _pip_download(HHH_ALIGNMENT[0], downloads)
+        for subset, member in zip(HHH_SUBSETS, HHH_ALIGNMENT):
+            task_json = _extract_member(archive, member, downloads / f"{subset}.json")
+            rows += hhh_pairs(json.loads(task_json.read_text()), subset)
+    finally:
+        shutil.rmtree(downloads, ignore_errors=True)
+    tmp = final.with_name(".hhh_alignment.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(final)
+    return final
+
+
 @dataclass(frozen=True)
 class Asset:
     fetch: Callable[[bool], Path]
@@ -283,6 +324,7 @@ ASSETS: dict[str, Asset] = {
     "smollm2-135m-instruct": Asset(fetch_smollm2, lambda: model_dir("smollm2-135m-instruct"), True),
     "game24": Asset(fetch_game24, lambda: data_file("game24.csv"), True),
     "qwen2-tokenizer": Asset(fetch_qwen2_tokenizer, lambda: tokenizer_dir("qwen2"), False),
+    "hhh-alignment": Asset(fetch_hhh_alignment, lambda: data_file("hhh_alignment.jsonl"), False),
 }
 
 # Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.types import PreferenceBatch, RolloutBatch, TrainBatch
+from rlhf.types import Batch, PreferenceBatch, PreferencePair, RolloutBatch, TrainBatch
+
+
+def pad_sequences(seqs: list[list[int]], prompt_lens: list[int], pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, loss_mask) [B, T]; the loss mask covers each row's
+    tokens after its first `prompt_lens[i]` (the response)."""
+    b, t = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, t), dtype=torch.bool)
+    loss_mask = torch.zeros((b, t), dtype=torch.bool)
+    for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention_mask[i, : len(seq)] = True
+        loss_mask[i, p : len(seq)] = True
+    return input_ids, attention_mask, loss_mask
 
 
 def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: int) -> TrainBatch:
@@ -14,18 +29,12 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     only; the sampler's log-probs are placed at the positions of the tokens they score.
     """
     g = rollouts.group_size
-    seqs = [rollouts.prompt_ids[i // g] + c.token_ids for i, c in enumerate(rollouts.completions)]
-    b, t = len(seqs), max(len(s) for s in seqs)
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, t), dtype=torch.bool)
-    loss_mask = torch.zeros((b, t), dtype=torch.bool)
-    sampler_lp = torch.zeros((b, t), dtype=torch.float32)
-    for i, (seq, c) in enumerate(zip(seqs, rollouts.completions)):
-        p = len(seq) - len(c.token_ids)
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention_mask[i, : len(seq)] = True
-        loss_mask[i, p : len(seq)] = True
-        sampler_lp[i, p : len(seq)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    prompts = [rollouts.prompt_ids[i // g] for i in range(len(rollouts.completions))]
+    seqs = [p + c.token_ids for p, c in zip(prompts, rollouts.completions)]
+    input_ids, attention_mask, loss_mask = pad_sequences(seqs, [len(p) for p in prompts], pad_id)
+    sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompts, rollouts.completions)):
+        sampler_lp[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -35,7 +44,12 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     )
 
 
-Batch = TrainBatch | PreferenceBatch
+def pairs_to_batch(pairs: list[PreferencePair], pad_id: int) -> PreferenceBatch:
+    """P pairs -> a [2P, T] PreferenceBatch: rows 0..P-1 prompt+chosen, rows P..2P-1 prompt+rejected,
+    so one forward pass scores both responses of every pair. Reference log-probs are left unset."""
+    seqs = [p.prompt_ids + p.chosen_ids for p in pairs] + [p.prompt_ids + p.rejected_ids for p in pairs]
+    input_ids, attention_mask, loss_mask = pad_sequences(seqs, [len(p.prompt_ids) for p in pairs] * 2, pad_id)
+    return PreferenceBatch(input_ids, attention_mask, loss_mask)
 
 
 def shard_for_rank(batch: Batch, rank: int, world_size: int) -> Batch:

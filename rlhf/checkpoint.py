@@ -54,3 +54,15 @@ def load_checkpoint(path: Path, learners: LearnerGroup) -> dict[str, Any]:
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     return state
+
+
+def resume_from_latest(output_dir: str | Path, learners: LearnerGroup, stream: Any) -> int:
+    """Restore the newest checkpoint under `output_dir` into `learners` and the data `stream`
+    (anything with load_state_dict, saved under run_state's "prompts"); return its step, or 0."""
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        return 0
+    state = load_checkpoint(path, learners)
+    stream.load_state_dict(state["prompts"])
+    print(f"resumed from {path} (step {state['step']})")
+    return int(state["step"])

@@ -31,7 +31,7 @@ class PhaseTimer:
 class MetricsLogger:
     """Writes metrics.jsonl and drives a tqdm bar whose postfix shows the headline numbers."""
 
-    HEADLINE = ("reward/mean", "loss", "kl", "timing/step_s")
+    HEADLINE = ("reward/mean", "loss", "kl", "rewards/accuracy", "rewards/margin", "timing/step_s")
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int = 0, desc: str = "train"):
         from tqdm import tqdm
@@ -44,12 +44,18 @@ class MetricsLogger:
             _truncate_after(self.path, start_step)
         self._bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, advance: bool = True) -> None:
+        """Append one record. `advance=False` for records that are not a training step (the
+        evaluation before training, logged as step -1)."""
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        self._bar.set_postfix({k.split("/")[-1]: f"{record[k]:.4g}" for k in self.HEADLINE if k in record})
-        self._bar.update(1)
+        if advance:
+            self._bar.set_postfix({k.split("/")[-1]: f"{record[k]:.4g}" for k in self.HEADLINE
+                                   if isinstance(record.get(k), float)})
+            self._bar.update(1)
+        else:
+            self._bar.write(" ".join(f"{k}={v:.4g}" for k, v in record.items() if isinstance(v, float)))
 
     def close(self) -> None:
         self._bar.close()

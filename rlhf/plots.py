@@ -1,4 +1,5 @@
-"""A PNG of a run's metrics.jsonl: reward, loss/KL, lengths and phase times per step."""
+"""A PNG of a run's metrics.jsonl: GRPO (reward, loss/KL, lengths, phase times) or DPO (preference
+accuracy on train and held-out pairs, losses, implicit rewards, phase times), told apart by the keys."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ from pathlib import Path
 from rlhf.metrics import read_metrics
 
 PANELS = (
-    ("reward", ("reward/mean",)),
+    ("reward", ("reward/mean", "eval/pass@1")),
     ("loss / kl / clip", ("loss", "kl", "clip_frac")),
     ("response length", ("response_len/mean",)),
     ("seconds per phase", ("timing/generate_s", "timing/reward_s", "timing/train_s", "timing/sync_s")),
+)
+DPO_PANELS = (
+    ("preference accuracy", ("rewards/accuracy", "eval/reward_accuracy", "eval/logp_accuracy")),
+    ("loss", ("loss", "eval/loss")),
+    ("implicit rewards", ("rewards/chosen", "rewards/rejected", "rewards/margin", "eval/margin")),
+    ("seconds per phase", ("timing/reference_s", "timing/train_s", "timing/step_s")),
 )
 
 
@@ -23,10 +30,11 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None, *
 
     records = read_metrics(metrics_path)
     out = Path(out_path) if out_path else Path(metrics_path).with_suffix(".png")
+    panels = DPO_PANELS if any("rewards/margin" in r for r in records) else PANELS
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (name, keys) in zip(axes.flat, PANELS):
+    for ax, (name, keys) in zip(axes.flat, panels):
         for key in keys:
-            pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
             if pts:
                 ax.plot(*zip(*pts), label=key, marker="." if len(pts) < 40 else None)
         ax.set_title(name)

@@ -11,12 +11,12 @@ from typing import Protocol
 
 import torch
 
-from rlhf.types import Completion, PromptRow, SamplingSpec, StepMetrics, TrainBatch
+from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics
 
-# A training objective: (token log-probs [B, T] of the current policy, the micro-batch, the
-# denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
+# A training objective: (token log-probs [B, T] of the current policy, the micro-batch (a
+# TrainBatch for GRPO, a PreferenceBatch for DPO), the denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
 # It is a picklable callable (a frozen dataclass in rlhf.objectives) so it crosses process borders.
-Objective = Callable[[torch.Tensor, TrainBatch, float], tuple[torch.Tensor, dict[str, float]]]
+Objective = Callable[[torch.Tensor, Batch, float], tuple[torch.Tensor, dict[str, float]]]
 
 
 class Generator(Protocol):
@@ -38,12 +38,12 @@ class Generator(Protocol):
 class LearnerGroup(Protocol):
     """N learner ranks seen as one: calls fan out, results come back reduced over ranks."""
 
-    def logprobs(self, batch: TrainBatch, *, reference: bool = False) -> torch.Tensor:
-        """Token log-probs [B, T] of the policy (or the frozen reference), aligned like
-        TrainBatch.old_logprobs; 0 where loss_mask is False."""
+    def logprobs(self, batch: Batch, *, reference: bool = False) -> torch.Tensor:
+        """Token log-probs [rows, T] of the policy (or the frozen reference), in the batch's row
+        order, aligned like TrainBatch.old_logprobs; 0 where loss_mask is False."""
         ...
 
-    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+    def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         """One optimizer step over the whole batch (micro-batches, gradient accumulation)."""
         ...
 

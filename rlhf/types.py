@@ -196,6 +196,10 @@ class PreferenceBatch:
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
+Batch = TrainBatch | PreferenceBatch
+"""What learners train on: GRPO rollouts or DPO pairs (both: len, select, trim, dummy, gather_rows)."""
+
+
 @dataclass(frozen=True)
 class PreferencePair:
     """One DPO row after tokenization: the prompt and its two responses."""

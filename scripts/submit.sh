@@ -3,6 +3,7 @@
 #
 #   ray start --head                              # or an existing cluster
 #   scripts/submit.sh configs/grpo_tiny_cpu.yaml grpo.steps=2
+#   scripts/submit.sh configs/dpo_tiny_cpu.yaml dpo.max_steps=2     # algorithm: dpo -> train_dpo.py
 #
 # RAY_ADDRESS picks the cluster's dashboard (default http://127.0.0.1:8265). Ray 2.60 turns token
 # auth on by default: export RAY_AUTH_MODE (and the token) as your cluster requires; for a
@@ -12,6 +13,10 @@ cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/submit.sh configs/<recipe>.yaml [key=value ...]}
 shift
 RAY=${RAY:-.venv/bin/ray}
+script=scripts/train_grpo.py
+if grep -qE '^algorithm:[[:space:]]*dpo' "$config" || printf '%s\n' "$@" | grep -qx 'algorithm=dpo'; then
+  script=scripts/train_dpo.py
+fi
 exec "$RAY" job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" --working-dir . \
   --runtime-env-json '{"excludes": [".venv", ".cache", "outputs", ".git"]}' \
-  -- python scripts/train_grpo.py --config "$config" "$@"
+  -- python "$script" --config "$config" "$@"

@@ -9,33 +9,16 @@ exit with status 2 before anything starts.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from rlhf.config import ConfigError, config_to_dict, load_config  # noqa: E402
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/grpo_tiny_cpu.yaml", help="YAML recipe (default: %(default)s)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. grpo.steps=5 learner.lr=1e-5")
-    return p.parse_args(argv)
+from actors.launch import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        prepared = prepare_run(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    run(cfg, *prepared)
-    return 0
+    return cli(__doc__, "configs/grpo_tiny_cpu.yaml", "grpo", argv, prepare_run, run)
 
 
 def prepare_run(cfg):
@@ -58,24 +41,17 @@ def prepare_run(cfg):
 
 
 def run(cfg, model_path: str, tokenizer, prompts) -> None:
-    import ray
-    import yaml
-
     from actors.cluster import build_cluster
+    from actors.launch import ray_session
     from rlhf.grpo import run_grpo
     from rlhf.plots import plot_metrics
 
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
-    ray.init(address=address, log_to_driver=True)
-    cluster = build_cluster(cfg, model_path)
-    try:
-        run_grpo(cfg, cluster, prompts, tokenizer)
-    finally:
-        cluster.shutdown()
-        ray.shutdown()
+    with ray_session(cfg) as out:
+        cluster = build_cluster(cfg, model_path)
+        try:
+            run_grpo(cfg, cluster, prompts, tokenizer)
+        finally:
+            cluster.shutdown()
     print(f"metrics: {out / 'metrics.jsonl'}  plot: {plot_metrics(out / 'metrics.jsonl')}")
 
 

@@ -1,4 +1,4 @@
-"""FSDP2 learner over gloo with 2 ranks == one plain PyTorch process on the same batch.
+"""FSDP2 learner over gloo with 2 ranks == one plain PyTorch process on the same batch (GRPO, DPO).
 
 No Ray here: two processes from torch.multiprocessing, so a failure points at the learner itself.
 """
@@ -6,6 +6,7 @@ No Ray here: two processes from torch.multiprocessing, so a failure points at th
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ import torch.multiprocessing as mp
 
 from rlhf.batching import shard_for_rank
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.objectives import GRPOObjective
-from rlhf.types import TrainBatch
+from rlhf.objectives import DPOObjective, GRPOObjective
+from rlhf.types import PreferenceBatch, TrainBatch
 
 LEARNER = LearnerConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0)
 
@@ -36,6 +37,18 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(target, *args, world: int = 2) -> None:
+    """Run `target(rank, world, port, *args)` in `world` spawned processes; all must exit 0."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
 
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str) -> None:
@@ -78,15 +91,7 @@ def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, tmp_path):
     vocab = AutoConfig.from_pretrained(tiny_qwen2).vocab_size
     batch = make_batch(vocab)
     objective = GRPOObjective(loss_agg=loss_agg)
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny_qwen2), batch, objective, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    spawn_ranks(_rank_main, str(tiny_qwen2), batch, objective, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     ref_lp, ref_loss, ref_grad_norm, ref_weights = reference_step(str(tiny_qwen2), batch, objective)
@@ -104,3 +109,90 @@ def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, tmp_path):
     # that by up to a few % of lr, so weights are compared to 5% of lr (lr = 1e-3).
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, atol=5e-5, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# DPO: a few steps on preference pairs, reference log-probs from the learners' frozen reference.
+
+DPO_STEPS = 3
+
+
+def make_pairs(vocab: int, seed: int = 1) -> PreferenceBatch:
+    """5 pairs (3 + 2 over 2 ranks): shared prompts, ragged chosen/rejected lengths."""
+    from rlhf.batching import pairs_to_batch
+    from rlhf.types import PreferencePair
+
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    pairs = [PreferencePair(ids(p), ids(c), ids(r)) for p, c, r in [(3, 4, 6), (5, 2, 3), (2, 7, 1), (4, 3, 3), (3, 5, 2)]]
+    return pairs_to_batch(pairs, pad_id=0)
+
+
+def _with_reference(batch: PreferenceBatch, token_lp: torch.Tensor) -> PreferenceBatch:
+    chosen, rejected = DPOObjective.sequence_logps(token_lp, batch)
+    return PreferenceBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, chosen, rejected)
+
+
+def _dpo_rank_main(rank: int, world: int, port: int, model_path: str, batch: PreferenceBatch, objective,
+                   learner_cfg: LearnerConfig, out: str) -> None:
+    from actors.fsdp2_learner import FSDP2Learner
+
+    learner = FSDP2Learner(
+        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
+        model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=True,
+        seed=0,
+    )
+    shard = shard_for_rank(batch, rank, world)
+    shard = _with_reference(shard, learner.logprobs(shard, reference=True))
+    steps = [learner.train_step(shard, objective) for _ in range(DPO_STEPS)]
+    torch.save(steps, f"{out}/rank{rank}.pt")
+    learner.shutdown()
+
+
+def reference_dpo_steps(model_path: str, batch: PreferenceBatch, objective) -> list[tuple[float, float, float]]:
+    """The same steps in one process on the whole batch: (loss, grad_norm, reward accuracy) each."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.logprobs import token_logprobs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        ref_lp = token_logprobs(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
+                               batch.input_ids, batch.loss_mask)
+    batch = _with_reference(batch, ref_lp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LEARNER.lr, betas=LEARNER.betas, weight_decay=LEARNER.weight_decay)
+    out = []
+    for _ in range(DPO_STEPS):
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        loss, metrics = objective(token_logprobs(logits, batch.input_ids, batch.loss_mask), batch, len(batch))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), LEARNER.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        out.append((float(loss.detach()), float(grad_norm), metrics["rewards/accuracy"] / len(batch)))
+    return out
+
+
+@pytest.mark.parametrize(("loss_type", "pack"), [("sigmoid", False), ("ipo", True)], ids=["sigmoid", "ipo-packed"])
+def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type, pack, tmp_path):
+    """Chosen and rejected of a pair stay in one micro-batch (micro_batch_size=2 rows = 1 pair), the
+    reference is the learners' frozen copy, losses are normalized over all ranks' pairs; with
+    packing, the micro-batch runs as one padding-free row."""
+    from transformers import AutoConfig
+
+    batch = make_pairs(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    objective = DPOObjective(beta=0.1, loss_type=loss_type)
+    learner_cfg = replace(LEARNER, pack_sequences=pack, micro_batch_size=4 if pack else 2)
+    spawn_ranks(_dpo_rank_main, str(tiny_qwen2), batch, objective, learner_cfg, str(tmp_path))
+    steps = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    want = reference_dpo_steps(str(tiny_qwen2), batch, objective)
+    for got, (loss, grad_norm, accuracy) in zip(steps, want):
+        assert got.loss == pytest.approx(loss, abs=1e-5)
+        assert got.grad_norm == pytest.approx(grad_norm, rel=1e-4)
+        assert got.values["rewards/accuracy"] == pytest.approx(accuracy)
+    assert steps[0].loss == pytest.approx(0.6931472 if loss_type == "sigmoid" else 0.25 / 0.01, rel=1e-5)
+    assert steps[-1].loss < steps[0].loss  # the same pairs three times: the loss goes down

@@ -1,4 +1,4 @@
-"""`ray job submit` of the tiny recipe to a Ray head on 127.0.0.1, exactly as the README says."""
+"""`ray job submit` of the tiny GRPO and DPO recipes to a Ray head on 127.0.0.1, as the README says."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def _stop_head(temp_dir: str) -> None:
             pass
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     """A loopback-only head with the dashboard (the Jobs API); auth off, as for a private test head.
     Its temp dir is short on purpose: Ray's Unix socket paths must fit in 107 bytes."""
@@ -77,14 +77,12 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_the_tiny_recipe(ray_head, tmp_path):
+def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
     address, env = ray_head
-    out = tmp_path / "job_out"
     for _ in range(30):  # the head's job agent comes up a few seconds after `ray start` returns
         proc = subprocess.run(
-            ["bash", "scripts/submit.sh", "configs/grpo_tiny_cpu.yaml", "grpo.steps=2", "save_every=0",
-             f"output_dir={out}"],
-            cwd=ROOT, env={**env, "RAY_ADDRESS": address, "RAY": str(BIN / "ray")},
+            ["bash", "scripts/submit.sh", *args], cwd=ROOT,
+            env={**env, "RAY_ADDRESS": address, "RAY": str(BIN / "ray")},
             capture_output=True, text=True, timeout=900,
         )
         if "No available agent" not in proc.stderr:
@@ -92,6 +90,21 @@ def test_ray_job_submit_runs_the_tiny_recipe(ray_head, tmp_path):
         time.sleep(2)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "succeeded" in proc.stdout.lower(), proc.stdout[-2000:]
+    return proc
+
+
+def test_ray_job_submit_runs_the_tiny_recipe(ray_head, tmp_path):
+    out = tmp_path / "job_out"
+    submit(ray_head, "configs/grpo_tiny_cpu.yaml", "grpo.steps=2", "save_every=0", f"output_dir={out}")
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
+    assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
+
+
+def test_ray_job_submit_runs_the_tiny_dpo_recipe(ray_head, tmp_path):
+    out = tmp_path / "dpo_job_out"
+    submit(ray_head, "configs/dpo_tiny_cpu.yaml", "dpo.max_steps=2", "save_every=0", "eval_every=0",
+           f"output_dir={out}")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1] and "rewards/margin" in records[-1]
     assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
