@@ -27,13 +27,16 @@ from rewards.answers import answer_block, exact_answer
 
 TASK_REWARDS: dict[str, str] = {
     "arithmetic": "rewards.tasks:arithmetic",
+    "arithmetic_1digit": "rewards.tasks:arithmetic",
     "gsm_symbolic": "rewards.tasks:gsm_symbolic",
     "countdown": "rewards.tasks:countdown",
     "game24": "rewards.tasks:game24",
     "gsm8k": "rewards.answers:exact_answer",
     "math": "rewards.answers:math_equivalence",
+    "champ": "rewards.answers:math_equivalence",
 }
-"""Default reward spec per built-in task name (rlhf.config.DataConfig.task)."""
+"""Default reward spec per built-in task name (rlhf.config.DataConfig.task): the 0/1 answer checker
+that evaluation counts as correctness (rlhf.evaluate)."""
 
 _MAX_EXPRESSION_CHARS = 256  # bounds parser and evaluator work on adversarial completions
 _EXPR_CHARS = re.compile(r"[\d\s+\-*/()]+")

@@ -78,6 +78,8 @@ class GenerationConfig:
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
     enforce_eager: bool = False
     """Skip CUDA-graph capture (faster start, slower decode)."""
+    ignore_eos: bool = False
+    """Generate exactly `max_new_tokens` per completion (speed runs on random weights)."""
 
 
 @dataclass(frozen=True, kw_only=True)

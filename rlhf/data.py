@@ -6,8 +6,9 @@
     batch = stream.take(cfg.grpo.prompts_per_step)      # stream.state_dict() goes in checkpoints
 
 Tasks (`data.task`): `arithmetic`, `gsm_symbolic`, `countdown` (reasoning-gym generators),
-`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.assets fetch`), `gsm8k` and
-`math` (model hub), and `jsonl:<path>` / `parquet:<path>` for local files.
+`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.assets fetch`), `champ`
+(competition math shipped in the `champ-dataset` package), `gsm8k` and `math` (model hub), and
+`jsonl:<path>` / `parquet:<path>` for local files.
 
 Choices:
 1. reasoning-gym builds item i of seed s from `Random(s + i)`, so seeds s and s+1 share all but one
@@ -22,14 +23,21 @@ Choices:
 4. Local files are read in any of the layouts the hub loaders know, detected from the columns:
    `prompt`[/`answer`], GSM8K (`question`/`answer` with "#### N"), MATH (`problem`/`solution`
    [/`answer`]). Other columns go to `meta`.
+5. Hub datasets: `gsm8k` is openai/gsm8k (`main`: train 7,473 / test 1,319); `math` trains on
+   EleutherAI/hendrycks_math (the original MATH layout: one config per subject, columns
+   problem/level/type/solution, the answer is the solution's last `\\boxed{}`; 7,500 train
+   problems) and evaluates on HuggingFaceH4/MATH-500 (problem/solution/answer/subject/level/
+   unique_id), disjoint from MATH's train split.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
 import json
 import random
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +149,38 @@ def load_game24(cfg: DataConfig, split: Split) -> list[PromptRow]:
             meta = {"task": "game24", "numbers": numbers, "target": 24, "rank": int(rec["Rank"])}
             question = GAME24_QUESTION.format(numbers=" ".join(map(str, numbers)))
             rows.append(_row(cfg.prompt_template, question, None, meta))
+    return _seeded_split(rows, cfg, split)
+
+
+# ---------------------------------------------------------------------------------------------
+# CHAMP: competition math shipped in a package
+
+CHAMP_PACKAGE = "champ-dataset==1.0.0"
+# Answers CHAMP states in words ("0 is the only possible value", "The sequence does not exist") or
+# as yes/no are dropped: a checker cannot grade the first, a coin toss passes the second.
+_CHAMP_WORDY = re.compile(r"[A-Za-z]{3,}|^\s*(?:yes|no)\s*$", re.IGNORECASE)
+
+
+def champ_file() -> Path:
+    """The dataset file of the installed `champ-dataset` package (found without importing it)."""
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"task 'champ' needs the champ-dataset package: pip install {CHAMP_PACKAGE}")
+    return Path(spec.origin).parent / "dataset_files" / "v0.json"
+
+
+def load_champ(cfg: DataConfig, split: Split) -> list[PromptRow]:
+    """CHAMP (Mao et al., 2024): 270 competition problems (number theory, polynomials, inequalities,
+    sequences, combinatorics) with a reference solution and a short final answer. The 127 whose
+    answer is a number or a formula are kept (meta: identifier, category, solution)."""
+    problems = json.loads(champ_file().read_text())["problems"]
+    rows = []
+    for identifier, rec in problems.items():
+        if _CHAMP_WORDY.search(rec["_answer"]):
+            continue
+        solution = " ".join(step["_text"] for step in rec["solution"]["steps"])
+        meta = {"task": cfg.task, "identifier": identifier, "category": rec["category"], "solution": solution}
+        rows.append(_row(cfg.prompt_template, rec["_text"], rec["_answer"], meta))
     return _seeded_split(rows, cfg, split)
 
 
@@ -257,7 +297,8 @@ def load_local_file(cfg: DataConfig, split: Split) -> list[PromptRow]:
 @dataclass(frozen=True)
 class HubSplit:
     path: str
-    name: str | None
+    names: tuple[str | None, ...]
+    """Dataset configs, read in order and concatenated (hendrycks_math has one per subject)."""
     split: str
 
 
@@ -276,7 +317,8 @@ class HubTask:
         if want == 0:
             return []
         try:
-            records = list(datasets.load_dataset(src.path, src.name, split=src.split))
+            records = [rec for name in src.names
+                       for rec in datasets.load_dataset(src.path, name, split=src.split)]
         except Exception as e:  # no hub: ConnectionError, OSError, DatasetNotFoundError...
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeError(f"task {cfg.task!r}: could not load {src.path} ({src.split}) from the hub: "
@@ -289,6 +331,10 @@ class HubTask:
 
 # ---------------------------------------------------------------------------------------------
 # The registry and the entry point
+
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus")
+"""The configs of EleutherAI/hendrycks_math, one per MATH subject."""
 
 TASKS: dict[str, Callable[[DataConfig, Split], list[PromptRow]]] = {
     # Easy on purpose (two terms, 0..100, + and -): SmolLM2-135M solves few even of these.
@@ -304,9 +350,11 @@ TASKS: dict[str, Callable[[DataConfig, Split], list[PromptRow]]] = {
     "countdown": GymTask("countdown", dict(
         min_numbers=3, max_numbers=4, min_value=1, max_value=50, min_target=10, max_target=100)),
     "game24": load_game24,
-    "gsm8k": HubTask(HubSplit("openai/gsm8k", "main", "train"), HubSplit("openai/gsm8k", "main", "test")),
-    "math": HubTask(HubSplit("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
-                    HubSplit("HuggingFaceH4/MATH-500", None, "test")),
+    "champ": load_champ,
+    "gsm8k": HubTask(HubSplit("openai/gsm8k", ("main",), "train"),
+                     HubSplit("openai/gsm8k", ("main",), "test")),
+    "math": HubTask(HubSplit("EleutherAI/hendrycks_math", MATH_SUBJECTS, "train"),
+                    HubSplit("HuggingFaceH4/MATH-500", (None,), "test")),
 }
 
 

@@ -12,6 +12,9 @@ Algorithmic choices (each a config key):
 4. Token-level loss normalization by default (`token-mean`), over the whole step's tokens on all
    ranks, so micro-batching and sharding never change the gradient.
 5. Weights are pushed to the generator after every optimizer step, before the next generation.
+6. With `eval_every=N > 0`, pass@k on a fixed held-out subset (rlhf.evaluate) before steps 0, N,
+   2N, ... (merged into that step's record of metrics.jsonl: the policy after that many updates)
+   and once more after the last step (a record of its own, `step` = grpo.steps).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from rlhf.batching import rollouts_to_batch
 from rlhf.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rlhf.config import RunConfig
 from rlhf.data import PromptStream
+from rlhf.evaluate import Evaluator
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
@@ -35,14 +39,18 @@ from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, StepMetrics, Train
 def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
     """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`).
 
-    `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it only
-    supplies the pad id.
+    `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
+    supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
     """
     start = resume_if_asked(cfg, cluster, prompts)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
+    evaluator = Evaluator.from_config(cfg, tokenizer) if cfg.eval_every else None
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
-    log = MetricsLogger(cfg.output_dir, total_steps=cfg.grpo.steps, start_step=start, desc="grpo")
+    # The final evaluation is one more tick of the progress bar.
+    total = cfg.grpo.steps + (evaluator is not None)
+    log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="grpo")
     for step in range(start, cfg.grpo.steps):
+        evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
         rows, prompt_ids = map(list, zip(*prompts.take(cfg.grpo.prompts_per_step)))
         with timer("generate"):
@@ -59,9 +67,12 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         with timer("sync"):
             cluster.weight_sync.push(version=step + 1)
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
-        log.log(step, step_metrics(rollouts, batch, train_metrics, timer.seconds))
+        log.log(step, {**step_metrics(rollouts, batch, train_metrics, timer.seconds), **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": prompts.state_dict()})
+    if evaluator is not None:  # the trained policy
+        log.log(cfg.grpo.steps, evaluator(cluster.generator))
+        evaluator.close()
     log.close()
 
 
@@ -76,6 +87,14 @@ def resume_if_asked(cfg: RunConfig, cluster: Cluster, prompts: PromptStream) -> 
     return int(state["step"])
 
 
+def evaluate_if_due(evaluator: Evaluator | None, generator: Generator, step: int, every: int
+                    ) -> dict[str, float]:
+    """pass@k of the current weights before steps 0, N, 2N, ... (`eval_every=N`); {} otherwise."""
+    if evaluator is None or step % every:
+        return {}
+    return evaluator(generator)
+
+
 def generate_rollouts(
     generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int
 ) -> RolloutBatch:
@@ -84,7 +103,7 @@ def generate_rollouts(
     gen = cfg.generation
     sampling = SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step,
+        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step, ignore_eos=gen.ignore_eos,
     )
     completions = generator.generate(prompt_ids, sampling)
     return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size)

@@ -21,7 +21,7 @@ ALLOWED_KEYS = {
     "data.num_eval", "data.max_prompt_tokens", "data.seed",
     "generation.backend", "generation.max_new_tokens", "generation.temperature", "generation.top_p",
     "generation.top_k", "generation.gpu_memory_utilization", "generation.cpu_kvcache_gib",
-    "generation.enforce_eager",
+    "generation.enforce_eager", "generation.ignore_eos",
     "reward.functions", "reward.timeout_s", "reward.num_workers",
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",

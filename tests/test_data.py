@@ -16,7 +16,9 @@ from rlhf.types import PromptRow
 
 SAMPLES = Path(__file__).parent / "data"
 GSM8K_FILE = SAMPLES / "gsm8k_sample.jsonl"
-MATH_FILE = SAMPLES / "math_sample.jsonl"
+MATH_FILE = SAMPLES / "math_sample.jsonl"  # hendrycks_math layout: problem/level/type/solution
+MATH500_FILE = SAMPLES / "math500_sample.jsonl"  # MATH-500 layout: problem/solution/answer/subject/level/unique_id
+CHAMP_FILE = SAMPLES / "champ_sample.json"  # the champ-dataset package's v0.json layout
 MATH_ANSWERS = ["11", "\\frac{1}{2}", "4", "2\\sqrt{2}", "6", "(1,2)", "10^{3}", "\\text{(B)}", "3", "90"]
 
 
@@ -195,25 +197,60 @@ def test_last_boxed(text, boxed):
 # Hub loaders (datasets.load_dataset faked with the look-alike files: no network)
 
 
-def test_hub_loaders_read_their_train_and_test_splits(monkeypatch):
+def _records(file: Path) -> list[dict]:
+    return [json.loads(line) for line in file.read_text().splitlines()]
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """`datasets.load_dataset` serving the look-alike files in each hub dataset's layout; hendrycks_math
+    has one config per subject, so each config serves the sample rows of its subject only."""
     datasets = pytest.importorskip("datasets")
     calls = []
 
-    def fake_load_dataset(path, name=None, split=None):
+    def load_dataset(path, name=None, split=None):
         calls.append((path, name, split))
-        file = GSM8K_FILE if "gsm8k" in path else MATH_FILE
-        return datasets.Dataset.from_list([json.loads(line) for line in file.read_text().splitlines()])
+        if path == "openai/gsm8k":
+            rows = _records(GSM8K_FILE)
+        elif path == "EleutherAI/hendrycks_math":
+            rows = [r for r in _records(MATH_FILE) if r["type"].lower().replace(" & ", "_and_") == name]
+        elif path == "HuggingFaceH4/MATH-500":
+            rows = _records(MATH500_FILE)
+        else:
+            raise ConnectionError(f"no such dataset {path}")
+        return datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({})
 
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls
+
+
+def test_gsm8k_hub_loader_reads_train_and_test(fake_hub):
     train, eval_ = splits(DataConfig(task="gsm8k", num_train=4, num_eval=2))
-    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert fake_hub == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
     assert (len(train), len(eval_)) == (4, 2) and all(r.answer.lstrip("-").isdigit() for r in train)
-    calls.clear()
-    train = load_prompts(DataConfig(task="math", num_train=10, num_eval=1), "train")
-    load_prompts(DataConfig(task="math", num_train=10, num_eval=1), "eval")
-    assert calls == [("DigitalLearningGmbH/MATH-lighteval", "default", "train"),
-                     ("HuggingFaceH4/MATH-500", None, "test")]
-    assert sorted(r.answer for r in train) == sorted(MATH_ANSWERS)
+    assert all("####" not in r.meta["solution"] for r in train + eval_)
+
+
+def test_math_hub_loader_trains_on_every_hendrycks_subject_and_evaluates_on_math500(fake_hub):
+    train = load_prompts(DataConfig(task="math", num_train=100, num_eval=5), "train")
+    assert fake_hub == [("EleutherAI/hendrycks_math", subject, "train") for subject in data.MATH_SUBJECTS]
+    assert sorted(r.answer for r in train) == sorted(MATH_ANSWERS)  # the last \\boxed{} of each solution
+    assert {r.meta["type"] for r in train} == {"Prealgebra", "Algebra", "Geometry", "Counting & Probability"}
+    fake_hub.clear()
+    eval_ = load_prompts(DataConfig(task="math", num_train=100, num_eval=5), "eval")
+    assert fake_hub == [("HuggingFaceH4/MATH-500", None, "test")]
+    assert sorted(r.answer for r in eval_) == ["(-1,1)", "2", "2", "6", "\\frac{1}{2}"]  # the answer column
+    assert {r.meta["unique_id"] for r in eval_} == {f"test/{s}/{i}.json" for i, s in enumerate(
+        ["prealgebra", "counting_and_probability", "algebra", "algebra", "intermediate_algebra"], 1)}
+    assert all(r.meta["subject"] and r.meta["level"] in (1, 2, 3) for r in eval_)
+    assert len(load_prompts(DataConfig(task="math", num_train=100, num_eval=2), "eval")) == 2
+
+
+def test_math500_layout_from_the_shipped_jsonl():
+    rows = load_prompts(DataConfig(task=f"jsonl:{MATH500_FILE}", num_train=5, num_eval=0), "train")
+    by_id = {r.meta["unique_id"]: r for r in rows}
+    assert by_id["test/algebra/3.json"].answer == "\\frac{1}{2}"  # the column, not the box (\\frac12)
+    assert by_id["test/intermediate_algebra/5.json"].meta["subject"] == "Intermediate Algebra"
 
 
 def test_hub_unreachable_is_one_line_with_the_offline_fix(monkeypatch):
@@ -229,6 +266,51 @@ def test_hub_unreachable_is_one_line_with_the_offline_fix(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
+# CHAMP (the champ-dataset package's file; here its look-alike)
+
+
+def test_champ_keeps_closed_form_answers_and_splits_by_seed(monkeypatch):
+    monkeypatch.setattr(data, "champ_file", lambda: CHAMP_FILE)
+    cfg = DataConfig(task="champ", num_train=100, num_eval=2, prompt_template="{question} ({category})")
+    train, eval_ = splits(cfg)
+    assert (len(train), len(eval_)) == (4, 2)
+    assert_disjoint(train, eval_)
+    rows = {r.meta["identifier"]: r for r in train + eval_}
+    # yes/no and worded answers are dropped; numbers and formulas stay
+    assert {i: r.answer for i, r in rows.items()} == {
+        "P_Combinatorics_1": "32", "P_Combinatorics_2": "n!", "P_Number-Theory_1": "2",
+        "P_Polynomial_1": "(x-1)(x+1)", "P_Inequality_1": "2", "P_Sequence_1": "n(n+1)/2"}
+    first = rows["P_Combinatorics_1"]
+    assert first.prompt == "How many subsets does a set with 5 elements have? (Combinatorics)"
+    assert first.meta["solution"] == "Each element is in or out of a subset. So there are 2^5 = 32 subsets."
+    assert load_prompts(replace(cfg, num_train=1), "eval") == eval_  # eval does not move with num_train
+
+
+def test_champ_answers_pass_their_own_checker(monkeypatch):
+    from rewards.answers import math_equivalence
+
+    monkeypatch.setattr(data, "champ_file", lambda: CHAMP_FILE)
+    for row in load_prompts(DataConfig(task="champ", num_train=100, num_eval=0), "train"):
+        assert math_equivalence(row.prompt, f"So the answer is $\\boxed{{{row.answer}}}$.", answer=row.answer) == 1.0
+        assert math_equivalence(row.prompt, "\\boxed{7}", answer=row.answer) == 0.0
+
+
+def test_champ_from_the_package():
+    """The real file (champ-dataset is pinned in requirements/pins.txt): 127 closed-form problems."""
+    rows = load_prompts(DataConfig(task="champ", num_train=1000, num_eval=0), "train")
+    assert len(rows) == 127 and len({r.meta["identifier"] for r in rows}) == 127
+    assert {r.meta["category"] for r in rows} == {"Combinatorics", "Inequality", "Number-Theory", "Polynomial",
+                                                  "Sequence"}
+    assert all(r.answer and r.meta["solution"] and r.prompt for r in rows)
+
+
+def test_champ_without_the_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install champ-dataset==1\.0\.0"):
+        load_prompts(DataConfig(task="champ"), "train")
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -237,7 +319,7 @@ def test_unknown_task_lists_the_known_ones():
         load_prompts(DataConfig(task="gsm9k"), "train")
     msg = str(err.value)
     assert "\n" not in msg and "'gsm9k'" in msg
-    for name in ("arithmetic", "gsm_symbolic", "countdown", "game24", "gsm8k", "math", "jsonl:<path>"):
+    for name in ("arithmetic", "gsm_symbolic", "countdown", "game24", "champ", "gsm8k", "math", "jsonl:<path>"):
         assert name in msg
     with pytest.raises(ValueError, match="unknown data.task 'csv:x.csv'"):
         load_prompts(DataConfig(task="csv:x.csv"), "train")

@@ -1,8 +1,9 @@
-"""DPO end to end on CPU: Ray + 2 FSDP2 ranks over gloo, the frozen reference on the same ranks.
+"""DPO end to end on CPU: Ray + 2 learner ranks over gloo, the frozen reference on the same ranks.
 
-One uninterrupted run on a small fixed pair set (the margin must rise), a run killed after its
-first checkpoint and resumed (must reproduce the uninterrupted metrics), a run with precomputed
-reference log-probs (no reference model; must match the reference-model run), and SimPO.
+One uninterrupted run on a small fixed pair set per learner backend (FSDP2, DeepSpeed ZeRO-2,
+ZeRO-3; the margin must rise), and, for FSDP2, a run killed after its first checkpoint and resumed
+(must reproduce the uninterrupted metrics), a run with precomputed reference log-probs (no
+reference model; must match the reference-model run), and SimPO.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ COMMON = [f"dpo.max_steps={STEPS}", "save_every=1", "eval_every=2", "dpo.num_tra
           "learner.lr=5e-4"]
 REQUIRED = ["step", "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
             "logps/chosen", "logps/rejected", "timing/step_s", "throughput/tokens_per_s", "grad_norm"]
+BACKENDS = {
+    "fsdp2": ["learner.backend=fsdp2"],
+    "deepspeed-zero2": ["learner.backend=deepspeed", "learner.zero_stage=2"],
+    "deepspeed-zero3": ["learner.backend=deepspeed", "learner.zero_stage=3"],
+}
 DETERMINISTIC = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "logps/chosen", "grad_norm"]
 
 
@@ -45,10 +51,11 @@ def steps_of(path: Path) -> list[dict]:
     return [r for r in read_metrics(path / "metrics.jsonl") if r["step"] >= 0]
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dpo_full")
-    proc = train(out)
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def full_run(request, tmp_path_factory) -> Path:
+    """One uninterrupted run per learner backend (every test below that takes it runs per backend)."""
+    out = tmp_path_factory.mktemp(f"dpo_full-{request.param}")
+    proc = train(out, *BACKENDS[request.param])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
@@ -84,6 +91,7 @@ def test_checkpoints_are_hf_folders(full_run):
     assert model.config.model_type == "qwen2"
 
 
+@pytest.mark.parametrize("full_run", ["fsdp2"], indirect=True)  # one backend is enough for the variants
 def test_precomputed_reference_matches_the_reference_model(full_run, tmp_path):
     """Scored by the policy before its first update, the cached reference log-probs equal the
     frozen reference model's, so the run is the same without holding a reference model."""
@@ -104,6 +112,7 @@ def test_simpo_needs_no_reference(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
+@pytest.mark.parametrize("full_run", ["fsdp2"], indirect=True)
 def test_killed_run_resumes_exactly(full_run, tmp_path):
     out = tmp_path / "killed"
     proc = train(out, wait=False)

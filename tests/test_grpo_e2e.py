@@ -1,7 +1,9 @@
-"""The real stack end to end on CPU: Ray + vLLM-CPU + 2 FSDP2 ranks over gloo + reward pool.
+"""The real stack end to end on CPU: Ray + vLLM-CPU + 2 learner ranks over gloo + reward pool.
 
-One uninterrupted run of the tiny recipe, one run killed right after its first checkpoint, and
-its resumption; the resumed steps must reproduce the uninterrupted run's metrics.
+One uninterrupted run of the tiny recipe per learner backend (FSDP2, DeepSpeed ZeRO-2, ZeRO-3),
+and, for FSDP2, one run killed right after its first checkpoint and its resumption; the resumed
+steps must reproduce the uninterrupted run's metrics. (DeepSpeed's save/load round trip is
+checked at the learner level in test_deepspeed_learner.py.)
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ REQUIRED = [
     "timing/generate_s", "timing/reward_s", "timing/train_s", "timing/sync_s", "timing/step_s",
     "throughput/tokens_per_s", "mismatch/logprob_abs_diff",
 ]
+BACKENDS = {
+    "fsdp2": ["learner.backend=fsdp2"],
+    "deepspeed-zero2": ["learner.backend=deepspeed", "learner.zero_stage=2"],
+    "deepspeed-zero3": ["learner.backend=deepspeed", "learner.zero_stage=3"],
+}
 # Everything that must repeat exactly on resume (timings and throughput never do).
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "kl", "clip_frac", "response_len/mean", "grad_norm"]
 
@@ -47,10 +54,11 @@ def train(output_dir: Path, *extra: str, wait: bool = True) -> subprocess.Popen 
                             start_new_session=True)
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("full")
-    proc = train(out)
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def full_run(request, tmp_path_factory) -> Path:
+    """One uninterrupted run per learner backend (every test below that takes it runs per backend)."""
+    out = tmp_path_factory.mktemp(f"full-{request.param}")
+    proc = train(out, *BACKENDS[request.param])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
@@ -87,9 +95,10 @@ def test_checkpoints_are_hf_folders(full_run):
     assert model.config.model_type == "qwen2"
 
 
+@pytest.mark.parametrize("full_run", ["fsdp2"], indirect=True)  # two more runs: one backend is enough
 def test_killed_run_resumes_exactly(full_run, tmp_path):
     out = tmp_path / "killed"
-    proc = train(out, wait=False)
+    proc = train(out, *BACKENDS["fsdp2"], wait=False)
     first = out / "checkpoints" / "step_000001" / "run_state.pt"
     deadline = time.time() + 600
     while not first.exists() and proc.poll() is None and time.time() < deadline:
@@ -99,7 +108,7 @@ def test_killed_run_resumes_exactly(full_run, tmp_path):
     proc.wait()
     shutil.rmtree(out / "checkpoints" / "step_000002", ignore_errors=True)  # in case it got that far
 
-    resumed = train(out, "resume=true")
+    resumed = train(out, *BACKENDS["fsdp2"], "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout
     want = read_metrics(full_run / "metrics.jsonl")

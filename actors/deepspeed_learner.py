@@ -1,0 +1,183 @@
+"""DeepSpeed ZeRO-2/3 learner rank, interchangeable with `actors.fsdp2_learner.FSDP2Learner`.
+
+The only file that imports `deepspeed`; what every backend shares (micro-batching, the train and
+log-prob loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`.
+
+Choices:
+1. Gradient accumulation belongs to LearnerRank, which runs a variable number of micro-batches
+   per step, each loss already divided by the step's global denominator. So the engine runs with
+   `managed_gradient_accumulation: false` and `gradient_accumulation_steps: 1`: `backward` only
+   accumulates (never rescaled by a GAS count), `step()` is the boundary where ZeRO finalizes the
+   reduced gradients, clips to `learner.max_grad_norm`, steps AdamW and the warm-up scheduler.
+   ZeRO averages gradients over ranks, which LearnerRank's `loss * world_size` undoes.
+2. The optimizer is torch's AdamW handed to DeepSpeed as a client optimizer (no fused op to build;
+   the same update as FSDP2), or DeepSpeedCPUAdam with `learner.offload_optimizer` (ZeRO-Offload
+   requires it; on a machine without a prebuilt op it is JIT-compiled on first use).
+   `model.dtype: bfloat16` turns on DeepSpeed's bf16 mode: bf16 module and compute, fp32 master
+   weights, gradients reduced and accumulated in fp32 (the user's JSON may trade that for speed). DeepSpeed makes the masters from the bf16-cast module, so an
+   fp32 checkpoint loses its low mantissa bits once at start-up (FSDP2 keeps them).
+3. The frozen reference model is a ZeRO-3 inference engine for both stages (no optimizer): ZeRO-2
+   shards only optimizer state and gradients, which a frozen model has none of, so stage 3 is the
+   only way it is sharded.
+4. `learner.deepspeed_config` (JSON) is merged over the generated config; the keys the learner
+   owns (batch sizes, accumulation, ZeRO stage, clipping, dtype, optimizer, scheduler) are set
+   from our config after the merge, and HF Trainer's "auto" placeholders are dropped.
+5. Resumable state is DeepSpeed's own checkpoint (`engine.save_checkpoint`: fp32 master weights,
+   optimizer and scheduler, sharded per rank) under `train_state/`, next to the HF export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from actors.learner_base import LearnerRank, load_hf_model, make_scheduler
+from rlhf.config import LearnerConfig, ModelConfig
+
+_TAG = "state"  # one DeepSpeed checkpoint per train_state/ folder
+# Keys the learner sets itself; a user's deepspeed_config cannot change them.
+_OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+          "managed_gradient_accumulation", "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
+
+
+class DeepSpeedLearner(LearnerRank):
+    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_path: str,
+        model_cfg: ModelConfig,
+        learner_cfg: LearnerConfig,
+        temperature: float,
+        with_reference: bool,
+        seed: int,
+    ) -> None:
+        if learner_cfg.offload_params and learner_cfg.zero_stage != 3:
+            raise ValueError("learner.offload_params needs learner.zero_stage=3: ZeRO-2 keeps the full "
+                             "parameters on every rank (learner.offload_optimizer works with both stages)")
+        super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
+                         learner_cfg=learner_cfg, temperature=temperature, seed=seed)
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        self.zero_stage = learner_cfg.zero_stage
+        config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
+
+        model = load_hf_model(model_path, gradient_checkpointing=model_cfg.gradient_checkpointing)
+        if learner_cfg.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
+                                         weight_decay=learner_cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
+                                          weight_decay=learner_cfg.weight_decay)
+        self.scheduler = make_scheduler(optimizer, learner_cfg.warmup_steps)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
+                                               config=config)
+        self.model = self.engine  # its forward returns the HF output (.logits)
+        self.reference = self._reference(model_path, config) if with_reference else None
+
+    def _reference(self, model_path: str, train_cfg: dict[str, Any]) -> torch.nn.Module:
+        """The frozen reference as a ZeRO-3 inference engine: parameters sharded, no optimizer."""
+        model = load_hf_model(model_path, gradient_checkpointing=False)
+        model.requires_grad_(False)
+        zero: dict[str, Any] = {"stage": 3}
+        if "offload_param" in train_cfg["zero_optimization"]:
+            zero["offload_param"] = train_cfg["zero_optimization"]["offload_param"]
+        config = {k: train_cfg[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                            "gradient_accumulation_steps", "bf16")}
+        engine, *_ = deepspeed.initialize(model=model, config={**config, "zero_optimization": zero})
+        engine.eval()
+        return engine
+
+    # ---------------------------------------------------------------- LearnerRank hooks
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def _optimizer_step(self) -> float:
+        self.engine.step()  # the accumulation boundary: reduce, clip, AdamW, scheduler, zero grads
+        return float(self.engine.get_global_grad_norm())
+
+    def _current_lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+        # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
+        for name, param in self.engine.module.named_parameters():
+            if self.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
+                yield name, param.detach()
+                continue
+            # ZeRO-3: gather this one parameter on every rank; only rank 0 keeps a copy.
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                full = param.detach().clone() if self.rank == 0 else None
+            yield name, full
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save(self, path: str, model_path: str, export_dtype: str) -> None:
+        """Write `path/model/` (HF safetensors + config + tokenizer, loadable by transformers and
+        vLLM) and `path/train_state/` (DeepSpeed's checkpoint: fp32 master weights, optimizer and
+        scheduler state, one shard per rank)."""
+        out = Path(path)
+        self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
+        self.engine.save_checkpoint(str(out / "train_state"), tag=_TAG)
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        state = Path(path) / "train_state"
+        loaded, _ = self.engine.load_checkpoint(str(state), tag=_TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {state}")
+
+
+def train_config(cfg: LearnerConfig, model_cfg: ModelConfig, world_size: int, *,
+                 pin_memory: bool) -> dict[str, Any]:
+    """The training engine's DeepSpeed config: generated, the user's JSON merged over it, then the
+    keys the learner owns set again (see the module docstring, choice 4)."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    config: dict[str, Any] = {"zero_optimization": zero}
+    if model_cfg.dtype == "bfloat16":  # as FSDP2's reduce_dtype: reduce and accumulate gradients in fp32
+        config.update(communication_data_type="fp32", data_types={"grad_accum_dtype": "fp32"})
+    if cfg.deepspeed_config:
+        user = _drop_auto(json.loads(Path(cfg.deepspeed_config).read_text()))
+        config = _merge(config, {k: v for k, v in user.items() if k not in _OWNED})
+    config["zero_optimization"]["stage"] = cfg.zero_stage
+    config.update(
+        train_micro_batch_size_per_gpu=cfg.micro_batch_size,
+        train_batch_size=cfg.micro_batch_size * world_size,
+        gradient_accumulation_steps=1,
+        managed_gradient_accumulation=False,
+        gradient_clipping=cfg.max_grad_norm,
+        bf16={"enabled": model_cfg.dtype == "bfloat16"},
+    )
+    return config
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged into `base`, sections recursively."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _drop_auto(config: dict[str, Any]) -> dict[str, Any]:
+    """HF Trainer configs say "auto" where the trainer fills a value in; DeepSpeed's defaults apply."""
+    return {k: _drop_auto(v) if isinstance(v, dict) else v for k, v in config.items() if v != "auto"}

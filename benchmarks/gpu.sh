@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# grpo-gpu: ours against TRL 1.16 GRPOTrainer (use_vllm=True, vllm_mode="colocate") on one GPU, plus our
+# VLLMGenerator alone on the same batch (in-loop generation efficiency). See benchmarks/README.md.
+#
+#   bash benchmarks/gpu.sh                     # every side; table; JSON line in benchmarks/results/grpo-gpu.jsonl
+#   bash benchmarks/gpu.sh --only ours         # one side per call (e.g. under a per-command time limit) ...
+#   bash benchmarks/gpu.sh --only trl-vllm
+#   bash benchmarks/gpu.sh --only ours-gen
+#   bash benchmarks/gpu.sh --combine           # ... then one table from the latest record of each side
+#   bash benchmarks/gpu.sh --profile           # torch.profiler traces (benchmarks/results/traces/grpo-gpu/)
+#   bash benchmarks/gpu.sh --results "$OUT"    # JSON lines somewhere else (any benchmarks/run.py option works)
+#
+# Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH,
+# as .gpubundle/meta/install_and_run.sh sets it up). The random-weight Qwen2.5-1.5B is built once under
+# outputs/bench/models/ next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONUNBUFFERED=1
+"$PY" - <<'PY'
+import torch, vllm, trl, accelerate, ray, transformers
+assert torch.cuda.is_available(), "grpo-gpu needs a CUDA device"
+print(f"[gpu.sh] {torch.cuda.get_device_name()} | torch {torch.__version__} vllm {vllm.__version__} "
+      f"trl {trl.__version__} transformers {transformers.__version__} ray {ray.__version__}", flush=True)
+PY
+if [[ " $* " != *" --combine "* ]]; then
+  "$PY" benchmarks/models.py random:qwen2.5-1.5b --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}"
+fi
+exec "$PY" benchmarks/run.py --workload grpo-gpu "$@"

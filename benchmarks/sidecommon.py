@@ -1,0 +1,94 @@
+"""What the TRL and standalone sides share: argument parsing, the resolved config, the output record.
+
+Each side is a separate process started by benchmarks/run.py; it writes one JSON object (the
+"side record") to `--out`: `{"side", "ok", "error", "startup_s", "steps": [...], ...}`. A side that
+fails still writes its record, with `ok: false` and the exception, so the runner can report it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+T0 = float(os.environ.get("BENCH_T0", time.time()))
+"""Wall-clock time the runner launched this process (start-up is measured from here)."""
+
+
+def side_parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True, help="our YAML recipe (the same one our side runs)")
+    p.add_argument("--out", required=True, help="where to write the side record (JSON)")
+    p.add_argument("--ignore-eos", action="store_true", help="fixed-length completions")
+    p.add_argument("--profile-step", type=int, default=None, help="write a torch.profiler trace of this step")
+    p.add_argument("--trace-dir", default="benchmarks/results/traces", help="where traces go (%(default)s)")
+    p.add_argument("overrides", nargs="*", help="the key=value overrides our side gets")
+    return p
+
+
+def load_run_config(recipe: str, overrides: list[str]) -> Any:
+    from rlhf.config import load_config
+
+    return load_config(recipe, overrides)
+
+
+def peak_memory() -> dict[str, float]:
+    """This process's own high-water marks: resident set (and CUDA allocator where there is a GPU)."""
+    import torch
+
+    out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    if torch.cuda.is_available():
+        out["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def run_side(name: str, out: str, body: Callable[[dict[str, Any]], None]) -> int:
+    """Run `body(record)` and write `record` to `out` whatever happens; exit status 1 on failure."""
+    record: dict[str, Any] = {"side": name, "ok": False, "error": None, "steps": [], "notes": []}
+    status = 0
+    try:
+        body(record)
+        record["ok"] = True
+    except BaseException as e:  # the runner reports it; a failed side must not kill the benchmark
+        record["error"] = f"{type(e).__name__}: {e}"
+        record["traceback"] = traceback.format_exc()[-6000:]
+        traceback.print_exc()
+        status = 1
+    record.update(peak_memory())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(record, indent=1, default=str))
+    return status
+
+
+class Profiler:
+    """torch.profiler over one span (CPU, plus CUDA when present), exported as a Chrome trace
+    (open it in https://ui.perfetto.dev) and a text table of the top ops by self time."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._prof = None
+
+    def start(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=activities, record_shapes=True, with_stack=False)
+        self._prof.__enter__()
+
+    def stop(self) -> str:
+        import torch
+
+        self._prof.__exit__(None, None, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.path))
+        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        table = self._prof.key_averages().table(sort_by=sort, row_limit=30)
+        self.path.with_suffix(".txt").write_text(table + "\n")
+        return str(self.path)

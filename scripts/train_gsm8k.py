@@ -1,0 +1,19 @@
+"""GRPO on GSM8K in one command: a default recipe, then scripts/train_grpo.py.
+
+    python scripts/train_gsm8k.py            # 1 GPU: Qwen2.5-0.5B-Instruct on openai/gsm8k
+    python scripts/train_gsm8k.py --cpu      # CPU: SmolLM2-135M-Instruct on GSM-Symbolic (shipped data)
+    python scripts/train_gsm8k.py --config configs/grpo_gsm8k_qwen2.5-7b_8gpu_split.yaml grpo.steps=100
+
+Every recipe is configs/grpo_gsm8k_*.yaml; `--config` and key=value overrides work as in train_grpo.py.
+"""
+
+import sys
+
+from train_grpo import main
+
+RECIPES = {"gpu": "configs/grpo_gsm8k_qwen2.5-0.5b_1gpu.yaml", "cpu": "configs/grpo_gsm8k_smollm2_cpu.yaml"}
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    recipe = RECIPES["cpu" if "--cpu" in args else "gpu"]
+    sys.exit(main(["--config", recipe, *(a for a in args if a != "--cpu")]))  # a later --config wins
