@@ -9,6 +9,8 @@ Choices:
    means "this actor was given a GPU"), CPU otherwise.
 2. CPU memory numbers are the process's resident set (`/proc/self/status`: VmRSS, peak VmHWM),
    because CPU tensors have no allocator of their own to ask; they read 0.0 where /proc is absent.
+3. On CPU the learner ranks of a host share its cores (`share_host_threads`); on GPU the thread
+   count is left as the launcher set it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class Device(Protocol):
 
     def reset_peak(self) -> None: ...
 
+    def share_host_threads(self, processes: int) -> None:
+        """Size this process's intra-op thread pool for `processes` busy processes on the host."""
+        ...
+
 
 @dataclass(frozen=True)
 class CudaDevice:
@@ -78,6 +84,9 @@ class CudaDevice:
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats()
+
+    def share_host_threads(self, processes: int) -> None:
+        pass  # the GPU does the work; keep the launcher's thread count
 
 
 def _proc_status_kib(field: str) -> int:
@@ -124,6 +133,11 @@ class CpuDevice:
                 f.write("5")
         except OSError:
             pass
+
+    def share_host_threads(self, processes: int) -> None:
+        # Ray gives an actor with a fractional CPU share one thread. Learners never run while the
+        # generator or the reward pool works (the loop is sequential), so they split the cores.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
 
 
 def detect() -> Device:

@@ -17,6 +17,9 @@ Shared choices:
 4. `learner.pack_sequences`: the rows of a micro-batch go through the model as one padding-free
    row with restarting position ids (transformers builds the block-diagonal mask, or flash
    attention's varlen path), and the log-probs are unpacked back to [b, T].
+5. Unpacked, the LM head and the log-softmax run only from the column before a micro-batch's
+   first scored token on (`logits_to_keep`): prompt positions never need a vocabulary-wide
+   distribution, which is most of the work past the decoder layers on short completions.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class LearnerRank:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         self.device.set_device(0)
+        self.device.share_host_threads(world_size)
         # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
         self._dev = self.device.torch_device(0)
         if not dist.is_initialized():
@@ -83,9 +87,13 @@ class LearnerRank:
         dev = self._dev
         ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
         if not self.cfg.pack_sequences or ids.shape[0] == 1:
-            logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False).logits
+            # Choice 5: logits only from the position before the first scored token on.
+            start = first_scored_column(mb.loss_mask)
+            logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False,
+                           logits_to_keep=ids.shape[1] - start + 1).logits
             # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V].
-            return token_logprobs(logits, ids, mask, temperature=self.temperature)
+            tail = token_logprobs(logits, ids[:, start - 1:], mask[:, start - 1:], temperature=self.temperature)
+            return torch.nn.functional.pad(tail, (start - 1, 0))
         lengths = mb.attention_mask.sum(-1).tolist()
         packed, positions, cu = pack_sequences([row[:n].tolist() for row, n in zip(mb.input_ids, lengths)],
                                                device=dev)
@@ -212,6 +220,13 @@ class LearnerRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def first_scored_column(loss_mask: torch.Tensor) -> int:
+    """The first column any row scores (at least 1: column 0 is never scored); 1 for an all-False
+    mask (a dummy micro-batch)."""
+    cols = loss_mask.bool().any(0).nonzero()
+    return max(1, int(cols[0])) if cols.numel() else 1
 
 
 def _batch_rows(batch: Batch, mb: Batch, start: int) -> torch.Tensor | slice:
