@@ -136,8 +136,10 @@ class CpuDevice:
 
     def share_host_threads(self, processes: int) -> None:
         # Ray gives an actor with a fractional CPU share one thread. Learners never run while the
-        # generator or the reward pool works (the loop is sequential), so they split the cores.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
+        # generator or the reward pool works (the loop is sequential), so they split the cores,
+        # unless RLHF_CPU_THREADS fixes the count (benchmarks with an equal thread budget per side).
+        fixed = os.environ.get("RLHF_CPU_THREADS")
+        torch.set_num_threads(int(fixed) if fixed else max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
 
 
 def detect() -> Device:

@@ -53,9 +53,11 @@ class FSDP2Learner(LearnerRank):
                          learner_cfg=learner_cfg, temperature=temperature, seed=seed)
         self.model = self._build(model_path, model_cfg, trainable=True)
         self.reference = self._build(model_path, model_cfg, trainable=False) if with_reference else None
+        # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
+        # 0.38 s per step for 135M parameters on 2 cores).
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
-            weight_decay=learner_cfg.weight_decay,
+            weight_decay=learner_cfg.weight_decay, fused=True,
         )
         self.scheduler = make_scheduler(self.optimizer, learner_cfg.warmup_steps)
 

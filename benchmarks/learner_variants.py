@@ -5,8 +5,9 @@
 One forward + backward of the policy-gradient loss on a grpo-cpu-shaped batch (8 prompts x 8
 completions; every prompt is the real chat-templated length of the workload's prompts, completions
 of 3..32 random tokens), bf16, in this process, in three ways that give the same loss:
-  full            what our learner does now: logits and an fp32 log-softmax at every position
-  completion      logits only where a completion token is predicted (`logits_to_keep`)
+  full            logits and an fp32 log-softmax at every position (our learner before 0964536)
+  completion      logits only where a completion token is predicted (`logits_to_keep`): what
+                  actors/learner_base.py does now
   shared-prompt   each group's prompt once, its completions after it under a block mask
                   (completion j attends to the prompt and to itself), logits as in `completion`
 The order is interleaved and repeated, because timings on a shared machine drift.

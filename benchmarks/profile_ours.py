@@ -11,9 +11,10 @@ tests do (VLLMGenerator, FSDP2Learner with world_size 1 over gloo), from the sam
   DPO   one learner step (reference log-probs on the learner, then `train_step`)
 Traces: DIR/ours_generate.json, DIR/ours_train_step.json (GRPO), DIR/ours_dpo_step.json (DPO).
 Each traced call follows one untraced call of the same kind, so compilation, lazy init and the
-optimizer's first state allocation are not in the trace. On CPU the thread count should match the
+optimizer's first state allocation are not in the trace. On CPU the thread counts match the
 actors': benchmarks/run.py sets OMP_NUM_THREADS=1 (what Ray gives an actor with a fractional CPU
-share) unless --threads is given. Traces are Chrome-trace JSON: open them in
+share: the generator's count) unless --threads is given, and the learner sizes its pool as in a
+run (`Device.share_host_threads`). Traces are Chrome-trace JSON: open them in
 https://ui.perfetto.dev; a `.txt` next to each holds the top ops by self time.
 """
 

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "step 1) instead of timing; nothing is appended to results")
     p.add_argument("--recipe", help="our recipe to use instead of the workload's")
     p.add_argument("--model", help="model path to use instead of the workload's (e.g. a prebuilt GPU model)")
-    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every side (default: each system's own)")
+    p.add_argument("--threads", type=int, help="torch threads of every process of every side (default: each system's own)")
     p.add_argument("--workdir", default="outputs/bench", help="run folders and logs (default: %(default)s)")
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
     p.add_argument("--side-timeout", type=float, default=3600, help="seconds before a side is stopped")
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (REPO / args.workdir).resolve()
     results_path = REPO / args.results / f"{w.name}.jsonl"
     env = {**os.environ, **BENCH_ENV}
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    if args.threads:  # every process of every side, our CPU learners included (actors/device.py)
+        env["OMP_NUM_THREADS"] = env["RLHF_CPU_THREADS"] = str(args.threads)
     sides = sides_of(w, args.only)
     notes = list(args.note)
     if w.ignore_eos and not ours_supports_ignore_eos():

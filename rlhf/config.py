@@ -173,6 +173,10 @@ class LearnerConfig:
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids.
     Pays off with varlen attention (flash-attention on GPU); under SDPA the block mask is dense."""
+    share_prompts: bool = False
+    """Rows sharing a prompt (a GRPO group, a DPO pair) run as one row: the prompt once, each
+    completion after it under a block mask. Same log-probs, less compute when prompts are long
+    against completions; the dense mask rules out flash-attention kernels."""
     deepspeed_config: str | None = None
     """DeepSpeed only: a JSON file merged over the generated DeepSpeed config (batch sizes and the
     ZeRO stage stay the learner's), for users bringing their OpenRLHF/TRL settings."""
@@ -272,6 +276,8 @@ def _validate(c: RunConfig) -> None:
     _check(l.micro_batch_size >= 1, "learner.micro_batch_size", "an integer >= 1", l.micro_batch_size)
     _check(l.max_grad_norm > 0, "learner.max_grad_norm", "a number > 0", l.max_grad_norm)
     _check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
+    _check(not (l.share_prompts and l.pack_sequences), "learner.share_prompts",
+           "false while learner.pack_sequences=true (two ways of laying out a micro-batch)", l.share_prompts)
     _check(gen.max_new_tokens >= 1, "generation.max_new_tokens", "an integer >= 1", gen.max_new_tokens)
     _check(gen.temperature >= 0, "generation.temperature", "a number >= 0", gen.temperature)
     _check(0 < gen.top_p <= 1, "generation.top_p", "a number in (0, 1]", gen.top_p)

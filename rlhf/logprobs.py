@@ -15,11 +15,17 @@ Choices:
    distribution the sampler drew from (needed for the PPO ratio against sampler log-probs).
 5. Packed rows ([1, total], sequences back to back, flash-attn `cu_seqlens`): the first token of
    every sequence gets 0, because the logit before it belongs to the previous sequence.
+6. Shared prompts (`share_prompts`): rows with the same prompt (a GRPO group; the chosen and
+   rejected of a DPO pair) become one row, the prompt once and every completion after it, under
+   a mask that lets a completion see the prompt and itself only, with positions restarting after
+   the prompt. Every log-prob is the one the separate rows give (up to float order); the prompt's
+   forward and backward run once per group instead of once per completion.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +48,14 @@ def _next_token_stats(
     flat = logits.reshape(B * T, V)
     # Target of position t is token t+1; the last position gets a dummy target 0.
     targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, 1)], dim=1).reshape(B * T)
+    return _row_stats(flat, targets, temperature, chunk_tokens, entropy).view(B, T)
+
+
+def _row_stats(flat: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_tokens: int,
+               entropy: bool) -> torch.Tensor:
+    """[M] log p(targets[m]) (or the entropy) of each row of flat [M, V] logits, upcast by chunks."""
     out = []
-    for start in range(0, B * T, chunk_tokens):
+    for start in range(0, flat.shape[0], chunk_tokens):
         chunk = flat[start:start + chunk_tokens].float()
         if temperature != 1.0:
             chunk = chunk / temperature
@@ -54,7 +66,7 @@ def _next_token_stats(
         else:
             tgt = targets[start:start + chunk_tokens, None]
             out.append(chunk.gather(-1, tgt).squeeze(-1) - lse)
-    return torch.cat(out).view(B, T)
+    return torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)
 
 
 def _align(stat_next: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -188,3 +200,103 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, *, pad_value: float =
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     rows = torch.split(flat, lengths.tolist())
     return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=pad_value)
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """Rows of a padded batch regrouped by prompt (choice 6); built by `share_prompts`.
+
+    input_ids, position_ids: [P, N] long, one row per distinct prompt: the prompt, then each
+        completion of it (right-padded with 0).
+    attention_mask: [P, 1, N, N] bool, True where a query (dim 2) may attend to a key (dim 3).
+    first_column: the logits of columns >= first_column are all that is needed
+        (`logits_to_keep = N - first_column`).
+    rows, columns: [M] long, where the logits predicting each scored token sit.
+    targets: [M] long, the scored tokens, in the row-major order of `scored`.
+    scored: [B, T] bool, the original rows' loss mask (where the M log-probs go back).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    first_column: int
+    rows: torch.Tensor
+    columns: torch.Tensor
+    targets: torch.Tensor
+    scored: torch.Tensor
+
+
+def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
+                  ) -> SharedPrompts:
+    """Regroup right-padded rows [B, T] by prompt.
+
+    A row's prompt is its tokens before the first scored one (loss_mask), its completion the rest
+    of its attended tokens; rows with equal prompts share one packed row, in order of first
+    appearance. In a packed row, a completion token attends to the prompt and to the tokens of its
+    own completion before it; its position continues from the prompt's length. Rows that score
+    nothing are left out. Every scored token needs a prompt token before it.
+    """
+    ids, lengths = input_ids.cpu(), attention_mask.sum(-1).tolist()
+    scored = loss_mask.bool().cpu()
+    packs: dict[tuple[int, ...], dict[str, list[int]]] = {}
+    where: list[tuple[tuple[int, ...], int, int, int]] = []  # (prompt, row's completion column, prompt len, B row)
+    for b in range(ids.shape[0]):
+        cols = scored[b].nonzero()
+        if not cols.numel():
+            continue
+        start = int(cols[0])
+        if start == 0:
+            raise ValueError(f"row {b}: its first token is scored, but nothing predicts it (no prompt)")
+        prompt = tuple(ids[b, :start].tolist())
+        pack = packs.setdefault(prompt, {"ids": list(prompt), "pos": list(range(start)), "seg": [-1] * start})
+        where.append((prompt, len(pack["ids"]), start, b))
+        completion = ids[b, start:lengths[b]].tolist()
+        pack["ids"] += completion
+        pack["pos"] += range(start, start + len(completion))
+        pack["seg"] += [b] * len(completion)
+    if not packs:
+        raise ValueError("share_prompts: no row scores any token")
+    order = {prompt: r for r, prompt in enumerate(packs)}
+    width = max(len(p["ids"]) for p in packs.values())
+
+    def padded(key: str, fill: int) -> torch.Tensor:
+        return torch.tensor([p[key] + [fill] * (width - len(p[key])) for p in packs.values()], dtype=torch.long)
+
+    seg = padded("seg", -2)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    # A key is visible if it is a prompt token or in the query's own completion (padding: only itself).
+    visible = (seg[:, None, :] == -1) | (seg[:, None, :] == seg[:, :, None])
+    real = seg != -2
+    mask = (causal & visible & real[:, :, None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool)
+
+    rows, columns, targets = [], [], []
+    for prompt, at, start, b in where:
+        t = scored[b].nonzero().squeeze(-1)
+        own = at + (t - start)  # packed columns of the scored tokens
+        pred = torch.where(t == start, torch.full_like(own, start - 1), own - 1)
+        rows.append(torch.full_like(pred, order[prompt]))
+        columns.append(pred)
+        targets.append(ids[b, t])
+    columns_t = torch.cat(columns)
+    dev = input_ids.device
+    return SharedPrompts(
+        input_ids=padded("ids", 0).to(dev), position_ids=padded("pos", 0).to(dev),
+        attention_mask=mask[:, None].to(dev), first_column=int(columns_t.min()),
+        rows=torch.cat(rows).to(dev), columns=columns_t.to(dev), targets=torch.cat(targets).to(dev),
+        scored=scored.to(dev),
+    )
+
+
+def shared_prompt_logprobs(
+    logits: torch.Tensor, packed: SharedPrompts, *, temperature: float = 1.0,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Token log-probs [B, T] of the original rows (aligned like `token_logprobs`, 0 off the loss
+    mask) from the logits of the packed rows.
+
+    Args: logits [P, N - first_column, V], the model's output on `packed` with
+    `logits_to_keep = N - first_column`. Returns [B, T] float32.
+    """
+    flat = logits[packed.rows, packed.columns - packed.first_column]  # [M, V]
+    lp = _row_stats(flat, packed.targets, temperature, chunk_tokens, entropy=False)
+    return torch.zeros(packed.scored.shape, dtype=lp.dtype, device=lp.device).masked_scatter(packed.scored, lp)

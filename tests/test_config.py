@@ -31,7 +31,7 @@ ALLOWED_KEYS = {
     "learner.backend", "learner.num_ranks", "learner.zero_stage", "learner.offload_optimizer",
     "learner.offload_params", "learner.lr", "learner.weight_decay", "learner.betas", "learner.warmup_steps",
     "learner.max_grad_norm", "learner.micro_batch_size",
-    "learner.pack_sequences", "learner.deepspeed_config",
+    "learner.pack_sequences", "learner.share_prompts", "learner.deepspeed_config",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_gpus", "cluster.weight_sync", "cluster.address",
 }

@@ -177,16 +177,19 @@ def reference_dpo_steps(model_path: str, batch: PreferenceBatch, objective) -> l
     return out
 
 
-@pytest.mark.parametrize(("loss_type", "pack"), [("sigmoid", False), ("ipo", True)], ids=["sigmoid", "ipo-packed"])
-def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type, pack, tmp_path):
+@pytest.mark.parametrize(("loss_type", "layout"), [("sigmoid", "padded"), ("ipo", "packed"), ("sigmoid", "shared")],
+                         ids=["sigmoid", "ipo-packed", "sigmoid-shared-prompts"])
+def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type, layout, tmp_path):
     """Chosen and rejected of a pair stay in one micro-batch (micro_batch_size=2 rows = 1 pair), the
     reference is the learners' frozen copy, losses are normalized over all ranks' pairs; with
-    packing, the micro-batch runs as one padding-free row."""
+    packing, the micro-batch runs as one padding-free row; with shared prompts, each pair's prompt
+    runs once with both responses after it."""
     from transformers import AutoConfig
 
     batch = make_pairs(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
     objective = DPOObjective(beta=0.1, loss_type=loss_type)
-    learner_cfg = replace(LEARNER, pack_sequences=pack, micro_batch_size=4 if pack else 2)
+    learner_cfg = replace(LEARNER, pack_sequences=layout == "packed", share_prompts=layout == "shared",
+                          micro_batch_size=2 if layout == "padded" else 4)
     spawn_ranks(_dpo_rank_main, str(tiny_qwen2), batch, objective, learner_cfg, str(tmp_path))
     steps = torch.load(tmp_path / "rank0.pt", weights_only=False)
     want = reference_dpo_steps(str(tiny_qwen2), batch, objective)

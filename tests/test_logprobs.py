@@ -11,6 +11,8 @@ from rlhf.logprobs import (
     pack_sequences,
     packed_token_logprobs,
     sequence_logprobs,
+    share_prompts,
+    shared_prompt_logprobs,
     token_logprobs,
     unpack,
 )
@@ -126,3 +128,69 @@ def test_packed_equals_padded():
     assert packed[0, cu[:-1].long()].eq(0).all()
     with pytest.raises(ValueError, match="cu_seqlens"):
         packed_token_logprobs(table[ids, pos], ids, torch.tensor([0, 3]))
+
+
+def _rows(rows: list[tuple[list[int], list[int]]]):
+    """Right-padded (prompt, completion) rows: ids, attention mask, loss mask on the completion."""
+    T = max(len(p) + len(c) for p, c in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    attn = torch.zeros(len(rows), T, dtype=torch.bool)
+    loss = torch.zeros(len(rows), T, dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = True
+        loss[i, len(p): len(p) + len(c)] = True
+    return ids, attn, loss
+
+
+def test_share_prompts_layout_hand_built():
+    # Rows 0 and 2 share prompt [5, 6]; row 1 has its own; row 3 scores nothing and is left out.
+    ids, attn, loss = _rows([([5, 6], [7, 8]), ([9], [3]), ([5, 6], [4]), ([2, 2], [])])
+    sp = share_prompts(ids, attn, loss)
+    assert sp.input_ids.tolist() == [[5, 6, 7, 8, 4], [9, 3, 0, 0, 0]]
+    assert sp.position_ids.tolist() == [[0, 1, 2, 3, 2], [0, 1, 0, 0, 0]]
+    m = sp.attention_mask[0, 0].int().tolist()
+    assert m == [[1, 0, 0, 0, 0],   # prompt: causal
+                 [1, 1, 0, 0, 0],
+                 [1, 1, 1, 0, 0],   # row 0's completion: the prompt and itself
+                 [1, 1, 1, 1, 0],
+                 [1, 1, 0, 0, 1]]   # row 2's completion: the prompt, not row 0's tokens
+    assert sp.attention_mask[1, 0].int().tolist()[2:] == [[0, 0, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 0, 1]]  # padding
+    # Scored tokens in row-major order: (0,2) (0,3) (1,1) (2,2), predicted from packed (row, column)
+    assert sp.rows.tolist() == [0, 0, 1, 0] and sp.columns.tolist() == [1, 2, 0, 1]
+    assert sp.targets.tolist() == [7, 8, 3, 4] and sp.first_column == 0
+    with pytest.raises(ValueError, match="no prompt"):
+        share_prompts(*_rows([([], [1, 2])]))
+
+
+@pytest.mark.parametrize("model_name", ["tiny_qwen2", "tiny_llama"])
+def test_shared_prompts_give_the_rows_log_probs_and_gradients(model_name, request):
+    """A real causal LM: every log-prob (and the gradient of their sum) is what the separate
+    rows give, for GRPO-like groups and for DPO-like pairs whose two rows are not adjacent."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_name), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda n: torch.randint(3, 500, (n,), generator=g).tolist()  # noqa: E731
+    p1, p2 = rnd(6), rnd(4)
+    rows = [(p1, rnd(5)), (p1, rnd(3)), (p1, rnd(7)), (p2, rnd(4)), (p2, rnd(2)), (p1, rnd(1))]
+    ids, attn, loss = _rows(rows)
+
+    def grads_of(lp):
+        model.zero_grad()
+        lp.sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = token_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids, loss, temperature=0.8)
+    want_grads = grads_of(want)
+    sp = share_prompts(ids, attn, loss)
+    logits = model(input_ids=sp.input_ids, position_ids=sp.position_ids, attention_mask=sp.attention_mask,
+                   logits_to_keep=sp.input_ids.shape[1] - sp.first_column).logits
+    got = shared_prompt_logprobs(logits, sp, temperature=0.8)
+    assert sp.input_ids.shape[0] == 2 and sp.input_ids.shape[1] < ids.numel()
+    assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert got[~loss].eq(0).all()
+    got_grads = grads_of(got)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-3, msg=name)
