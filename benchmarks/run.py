@@ -46,7 +46,6 @@ from benchmarks.summary import (  # noqa: E402
     format_table,
     ours_dpo_steps,
     ours_grpo_steps,
-    summarize,
 )
 from benchmarks.workloads import REPO_MODELS, WORKLOADS, Workload, our_overrides, ours_supports_ignore_eos  # noqa: E402
 

@@ -92,3 +92,35 @@ class Profiler:
         table = self._prof.key_averages().table(sort_by=sort, row_limit=30)
         self.path.with_suffix(".txt").write_text(table + "\n")
         return str(self.path)
+
+
+def step_clock(record: dict[str, Any], args: argparse.Namespace, close_step: Callable[[float], None]) -> type:
+    """A transformers `TrainerCallback` class that times every optimizer step of a TRL trainer:
+    `record["startup_s"]` when training begins, `close_step(step_s)` at the end of each step
+    (logging between steps counts toward the next one), and a torch.profiler trace of step
+    `args.profile_step` into `args.trace_dir` (its summary in `record["trace"]`)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.last = time.perf_counter()
+            self.profiler: Profiler | None = None
+
+        def on_train_begin(self, args_, state, control, **kw):
+            self.last = time.perf_counter()
+            record["startup_s"] = time.time() - T0
+
+        def on_step_begin(self, args_, state, control, **kw):
+            if args.profile_step is not None and state.global_step == args.profile_step:
+                self.profiler = Profiler(f"{args.trace_dir}/{record['side']}_step{args.profile_step}.json")
+                self.profiler.start()
+
+        def on_step_end(self, args_, state, control, **kw):
+            now = time.perf_counter()
+            if self.profiler is not None:
+                record["trace"] = self.profiler.stop()
+                self.profiler = None
+            close_step(now - self.last)
+            self.last = time.perf_counter()
+
+    return StepClock

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from benchmarks.sidecommon import T0, Profiler, load_run_config, run_side, side_parser  # noqa: E402
+from benchmarks.sidecommon import load_run_config, run_side, side_parser, step_clock  # noqa: E402
 
 
 def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(args: Any, record: dict[str, Any]) -> None:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     from benchmarks.workloads import trl_dpo_kwargs
@@ -97,31 +96,12 @@ def train(args: Any, record: dict[str, Any]) -> None:
             tokens["train"] += float(inputs["attention_mask"].sum())
             return super().training_step(model, inputs, *a, **kw)
 
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.last = None
-            self.profiler = None
+    def close_step(step_s: float) -> None:
+        record["steps"].append({"step": len(record["steps"]), "step_s": step_s, "train_s": step_s,
+                                "train_tokens": tokens["train"]})
+        tokens["train"] = 0.0
 
-        def on_train_begin(self, args_, state, control, **kw):
-            self.last = time.perf_counter()
-            record["startup_s"] = time.time() - T0
-
-        def on_step_begin(self, args_, state, control, **kw):
-            if args.profile_step is not None and state.global_step == args.profile_step:
-                self.profiler = Profiler(f"{args.trace_dir}/trl_step{args.profile_step}.json")
-                self.profiler.start()
-
-        def on_step_end(self, args_, state, control, **kw):
-            now = time.perf_counter()
-            if self.profiler is not None:
-                record["trace"] = self.profiler.stop()
-                self.profiler = None
-            step_s = now - self.last
-            record["steps"].append({"step": len(record["steps"]), "step_s": step_s, "train_s": step_s,
-                                    "train_tokens": tokens["train"]})
-            tokens["train"] = 0.0
-            self.last = time.perf_counter()
-
+    class StepClock(step_clock(record, args, close_step)):
         def on_log(self, args_, state, control, logs=None, **kw):
             if logs and "loss" in logs and record["steps"]:
                 record["steps"][-1].update(loss=float(logs["loss"]), accuracy=float(logs["rewards/accuracies"]),

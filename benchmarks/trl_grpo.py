@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
-from benchmarks.sidecommon import T0, Profiler, load_run_config, run_side, side_parser  # noqa: E402
+from benchmarks.sidecommon import load_run_config, run_side, side_parser, step_clock  # noqa: E402
 
 
 def make_reward(cfg: Any):
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: Any, record: dict[str, Any]) -> None:
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.workloads import trl_grpo_kwargs
@@ -125,44 +125,22 @@ def train(args: Any, record: dict[str, Any]) -> None:
             add("reward_sum", float(torch.nansum(rewards_per_func.sum(dim=1))))
             return rewards_per_func
 
-    class StepClock(TrainerCallback):
-        """Closes one step record per optimizer step; optionally profiles one step."""
-
-        def __init__(self) -> None:
-            self.last = None
-            self.profiler = None
-
-        def on_train_begin(self, args_, state, control, **kw):
-            self.last = time.perf_counter()
-            record["startup_s"] = time.time() - T0
-
-        def on_step_begin(self, args_, state, control, **kw):
-            if args.profile_step is not None and state.global_step == args.profile_step:
-                self.profiler = Profiler(f"{args.trace_dir}/{record['side']}_step{args.profile_step}.json")
-                self.profiler.start()
-
-        def on_step_end(self, args_, state, control, **kw):
-            now = time.perf_counter()
-            if self.profiler is not None:
-                record["trace"] = self.profiler.stop()
-                self.profiler = None
-            n = max(current.get("completions", 0.0), 1.0)
-            step_s = now - self.last
-            record["steps"].append({
-                "step": len(record["steps"]), "step_s": step_s,
-                "generate_s": current.get("generate_s", 0.0), "sync_s": current.get("sync_s", 0.0),
-                "reward_s": current.get("reward_s", 0.0), "train_s": step_s - current.get("score_s", 0.0),
-                "gen_tokens": current.get("gen_tokens", 0.0),
-                "train_tokens": current.get("prompt_tokens", 0.0) + current.get("gen_tokens", 0.0),
-                "reward_mean": current.get("reward_sum", 0.0) / n,
-                "response_len_mean": current.get("gen_tokens", 0.0) / n,
-                "prompts_match": bool(current.get("prompts_match", 0.0)),
-            })
-            current.clear()
-            self.last = time.perf_counter()  # logging between steps counts toward the next step
+    def close_step(step_s: float) -> None:
+        n = max(current.get("completions", 0.0), 1.0)
+        record["steps"].append({
+            "step": len(record["steps"]), "step_s": step_s,
+            "generate_s": current.get("generate_s", 0.0), "sync_s": current.get("sync_s", 0.0),
+            "reward_s": current.get("reward_s", 0.0), "train_s": step_s - current.get("score_s", 0.0),
+            "gen_tokens": current.get("gen_tokens", 0.0),
+            "train_tokens": current.get("prompt_tokens", 0.0) + current.get("gen_tokens", 0.0),
+            "reward_mean": current.get("reward_sum", 0.0) / n,
+            "response_len_mean": current.get("gen_tokens", 0.0) / n,
+            "prompts_match": bool(current.get("prompts_match", 0.0)),
+        })
+        current.clear()
 
     trainer = TimedGRPOTrainer(model=model_path, reward_funcs=[make_reward(cfg)], args=GRPOConfig(**kwargs),
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[StepClock()])
+                               train_dataset=dataset, processing_class=tokenizer, callbacks=[step_clock(record, args, close_step)()])
     if args.generation == "vllm":
         generation = trainer.vllm_generation
         sync = generation.sync_weights
