@@ -29,7 +29,6 @@ Shared choices:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -42,7 +41,6 @@ from actors.device import detect as detect_device
 from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig
 from rlhf.logprobs import (
-    SharedPrompts,
     pack_sequences,
     packed_token_logprobs,
     share_prompts,
@@ -100,11 +98,11 @@ class LearnerRank:
         dev = self._dev
         ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
         if self.cfg.share_prompts and bool(mb.loss_mask.any()):  # choice 6
-            shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask)
-            logits = model(input_ids=shared.input_ids.to(dev), position_ids=shared.position_ids.to(dev),
-                           attention_mask=shared.attention_mask.to(dev), use_cache=False,
+            shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask, device=dev)
+            logits = model(input_ids=shared.input_ids, position_ids=shared.position_ids,
+                           attention_mask=shared.attention_mask, use_cache=False,
                            logits_to_keep=shared.input_ids.shape[1] - shared.first_column).logits
-            return shared_prompt_logprobs(logits, _on(shared, dev), temperature=self.temperature)
+            return shared_prompt_logprobs(logits, shared, temperature=self.temperature)
         if not self.cfg.pack_sequences or ids.shape[0] == 1:
             # Choice 5: logits only from the position before the first scored token on.
             start = first_scored_column(mb.loss_mask)
@@ -239,12 +237,6 @@ class LearnerRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _on(shared: SharedPrompts, dev: torch.device) -> SharedPrompts:
-    """The index tensors of `shared` on the logits' device."""
-    return dataclasses.replace(shared, rows=shared.rows.to(dev), columns=shared.columns.to(dev),
-                               targets=shared.targets.to(dev), scored=shared.scored.to(dev))
 
 
 def first_scored_column(loss_mask: torch.Tensor) -> int:

@@ -226,15 +226,16 @@ class SharedPrompts:
     scored: torch.Tensor
 
 
-def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor
-                  ) -> SharedPrompts:
+def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, *,
+                  device: torch.device | str | None = None) -> SharedPrompts:
     """Regroup right-padded rows [B, T] by prompt.
 
     A row's prompt is its tokens before the first scored one (loss_mask), its completion the rest
     of its attended tokens; rows with equal prompts share one packed row, in order of first
     appearance. In a packed row, a completion token attends to the prompt and to the tokens of its
     own completion before it; its position continues from the prompt's length. Rows that score
-    nothing are left out. Every scored token needs a prompt token before it.
+    nothing are left out. Every scored token needs a prompt token before it. The result lives on
+    `device` (default: input_ids' device).
     """
     ids, lengths = input_ids.cpu(), attention_mask.sum(-1).tolist()
     scored = loss_mask.bool().cpu()
@@ -278,7 +279,7 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_ma
         columns.append(pred)
         targets.append(ids[b, t])
     columns_t = torch.cat(columns)
-    dev = input_ids.device
+    dev = input_ids.device if device is None else device
     return SharedPrompts(
         input_ids=padded("ids", 0).to(dev), position_ids=padded("pos", 0).to(dev),
         attention_mask=mask[:, None].to(dev), first_column=int(columns_t.min()),
