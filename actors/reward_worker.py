@@ -28,13 +28,6 @@ class RewardWorker:
         self.pool.close()
 
 
-def prompt_text(row: PromptRow) -> str:
-    """The user-visible prompt of a row (last user message for chat rows)."""
-    if isinstance(row.prompt, str):
-        return row.prompt
-    return next(m["content"] for m in reversed(row.prompt) if m["role"] == "user")
-
-
 class RayRewardScorer:
     """`rlhf.protocols.RewardScorer` backed by a RewardWorker actor."""
 
@@ -42,10 +35,8 @@ class RayRewardScorer:
         self.actor = ray.remote(RewardWorker).options(num_cpus=0).remote(cfg)
 
     def score(self, rows: Sequence[PromptRow], completions: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        columns = [{"answer": r.answer, **r.meta} for r in rows]
-        rewards, metrics = ray.get(
-            self.actor.score.remote([prompt_text(r) for r in rows], list(completions), columns)
-        )
+        rewards, metrics = ray.get(self.actor.score.remote(
+            [r.user_text() for r in rows], list(completions), [r.reward_kwargs() for r in rows]))
         return torch.tensor(rewards, dtype=torch.float32), metrics
 
     def shutdown(self) -> None:

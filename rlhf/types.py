@@ -25,6 +25,16 @@ class PromptRow:
     answer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    def user_text(self) -> str:
+        """The user-visible prompt (the last user message of chat rows): a reward's `prompt`."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return next(m["content"] for m in reversed(self.prompt) if m["role"] == "user")
+
+    def reward_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a reward function gets for this row: `answer` and every meta field."""
+        return {"answer": self.answer, **self.meta}
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
