@@ -2,17 +2,93 @@
 
 Placement, the torch.distributed rendezvous address and fan-out live here and nowhere else.
 The `.options(...).remote(...)` call is made in exactly one place.
+
+Fan-out waits with `gather`: results come back in call order, but the first actor that dies or
+raises ends the wait at once with an `ActorFailure` naming it and the phase. A plain
+`ray.get(list)` would instead wait on the first actor of the list, which may be blocked forever in
+a collective whose peer has just died.
 """
 
 from __future__ import annotations
 
+import re
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class ActorFailure(RuntimeError):
+    """An actor died or raised while the driver waited on it. The message is one line: which actor
+    (`learner rank 1`, `engine 0`), in which phase, and why."""
+
+
+def gather(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str) -> list[Any]:
+    """ray.get(refs), failing fast: the first failure among them raises ActorFailure."""
+    return gather_timed(refs, labels, phase)[0]
+
+
+def gather_timed(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str
+                 ) -> tuple[list[Any], list[float]]:
+    """`gather`, plus the seconds from this call until each result was ready (issue the calls just
+    before: that is each actor's wall time for its share)."""
+    start = time.perf_counter()
+    pending = dict(zip(refs, labels, strict=True))
+    seconds: dict[ray.ObjectRef, float] = {}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        seconds[ready[0]] = time.perf_counter() - start
+        label = pending.pop(ready[0])
+        failure = _failure(ready[0], label, phase)
+        if failure is not None:
+            raise _root_cause(failure, pending, phase) from None
+    return ray.get(list(refs)), [seconds[r] for r in refs]  # all done: no waiting left
+
+
+def _failure(ref: ray.ObjectRef, label: str, phase: str) -> ActorFailure | None:
+    """The ActorFailure of a finished call, or None if it succeeded."""
+    try:
+        ray.get(ref)
+    except ray.exceptions.ActorDiedError as e:
+        return ActorFailure(f"{label} died during {phase}: {_death_cause(e)}")
+    except ray.exceptions.RayActorError as e:  # unavailable: its node went away, or it is restarting
+        return ActorFailure(f"{label} became unreachable during {phase} (its process or node is gone): "
+                            f"{_death_cause(e)}")
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if e.cause is not None else e
+        return ActorFailure(f"{label} failed during {phase}: {type(cause).__name__}: {_one_line(str(cause))}")
+    return None
+
+
+def _root_cause(failure: ActorFailure, pending: dict[ray.ObjectRef, str], phase: str,
+                grace_s: float = 5.0) -> ActorFailure:
+    """An actor that raised may only be reporting a peer's death (a collective whose other end
+    vanished). Give the other actors `grace_s` to finish or fail, and name a dead one first."""
+    if pending and "died" not in str(failure) and "unreachable" not in str(failure):
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+        for ref in done:
+            other = _failure(ref, pending[ref], phase)
+            if other is not None and ("died" in str(other) or "unreachable" in str(other)):
+                return ActorFailure(f"{other} (then {failure})")
+    return failure
+
+
+def _death_cause(e: Exception) -> str:
+    """The useful part of Ray's actor-death message (its first sentence names the cause)."""
+    text = _one_line(getattr(e, "error_msg", None) or str(e))
+    for marker in ("The actor is dead because ", "The actor died because ", "temporarily unavailable: ", "because "):
+        if marker in text:
+            return text.split(marker, 1)[1].split(". ")[0].rstrip(".")
+    return text
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())  # no terminal colours
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 @ray.remote(num_cpus=0)
@@ -43,6 +119,7 @@ class ActorGroup:
         self,
         cls: type,
         *,
+        name: str,
         pg: PlacementGroup,
         bundles: Sequence[int],
         num_cpus: float,
@@ -53,6 +130,7 @@ class ActorGroup:
         def place(bundle: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
+        self.name = name  # actor i is "{name} {i}" in errors, e.g. "learner rank 1"
         addr, port = ray.get(node_address.options(scheduling_strategy=place(bundles[0])).remote())
         remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": env} if env else None
@@ -66,14 +144,24 @@ class ActorGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
+    def labels(self) -> list[str]:
+        return [f"{self.name} {i}" for i in range(len(self.actors))]
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """Call `method` with the same arguments on every actor; wait for all results."""
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        """Call `method` with the same arguments on every actor; wait for all results (fail fast)."""
+        return gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors], self.labels(), method)
 
     def call_each(self, method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
-        """Call `method` on actor i with `*per_rank_args[i]`; wait for all results."""
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank_args)])
+        """Call `method` on actor i with `*per_rank_args[i]`; wait for all results (fail fast)."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
+        return gather(refs, self.labels(), method)
 
-    def kill(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Ask every actor to `shutdown()` (tear down process groups, engines), then kill them all.
+        An actor still busy after `timeout_s` (blocked in a collective whose peer died) is killed
+        anyway: a teardown must never hang."""
+        try:
+            ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
+        finally:
+            for a in self.actors:
+                ray.kill(a)

@@ -1,62 +1,53 @@
-"""Build the Ray cluster a run needs: placement, generator, learner group, weight sync, rewards.
+"""Build the Ray cluster a run needs: placement, engines, learner group, weight sync, rewards.
 
 Every backend and placement choice of a run is made here, once, from the config:
 
-    colocated (GPU)   bundle i = GPU i; learner rank i on bundle i; the vLLM engine shares
-                      bundle 0 with learner rank 0 and sleeps while the learners train
-    split (GPU)       bundle 0 = the generator's `generator_gpus` GPUs; bundles 1..N = learners
-    learners only     DPO: bundle i = GPU i = learner rank i; no generator, no reward workers
-    CPU               the same layouts with small CPU shares instead of GPUs (sleep is a no-op)
+    colocated (GPU)   bundle i = GPU i = learner rank i; E engines, engine e on bundle e * (N / E)
+                      beside that learner rank (auto: E = N, one per GPU); they sleep while the
+                      learners train, and each gets the weights from the rank on its own GPU
+    split (GPU)       bundles 0..E-1 = the engines, `generator_tp` GPUs each; bundles E..E+N-1 =
+                      the learners (auto: E = the GPUs the learners leave free / generator_tp)
+    learners only     DPO: bundle i = GPU i = learner rank i; no engines, no reward workers
+    CPU               the same layouts with small CPU shares instead of GPUs (sleep is a no-op);
+                      auto: one engine (more would share the same cores)
+
+Several nodes: the bundles are one placement group (`cluster.placement_strategy`: PACK fills a
+node first, SPREAD puts bundles on different nodes); learner rank 0's node is the rendezvous of the
+learners and of the NCCL weight sync. The model path must be readable on every node.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from actors.actor_group import ActorGroup, load_class, node_address
 from actors.device import detect
+from actors.engine_group import EngineGroup
 from actors.learner_group import RayLearnerGroup
 from actors.reward_worker import RayRewardScorer
-from actors.weight_sync import WeightSyncer, choose_transport
-from rlhf.config import RunConfig
+from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
+from rlhf.config import ConfigError, RunConfig
 from rlhf.dpo import needs_reference_model
-from rlhf.types import Completion, SamplingSpec
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 LEARNERS = {"fsdp2": "actors.fsdp2_learner:FSDP2Learner", "deepspeed": "actors.deepspeed_learner:DeepSpeedLearner"}
-
-
-class RemoteGenerator:
-    """`rlhf.protocols.Generator` over the generator actor."""
-
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
-
-    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        return ray.get(self.actor.generate.remote(list(prompt_ids), sampling))
-
-    def sleep(self) -> None:
-        ray.get(self.actor.sleep.remote())
-
-    def wake(self) -> None:
-        ray.get(self.actor.wake.remote())
+PLACEMENT_TIMEOUT_S = 120.0  # a placement group not ready by then will not be: say why instead of hanging
 
 
 @dataclass
 class RayCluster:
-    generator: RemoteGenerator
+    generator: EngineGroup
     learners: RayLearnerGroup
     weight_sync: WeightSyncer
     rewards: RayRewardScorer
     pg: Any
 
     def shutdown(self) -> None:
-        for close in (self.rewards.shutdown, self.learners.shutdown, lambda: ray.kill(self.generator.actor)):
+        for close in (self.rewards.shutdown, self.learners.shutdown, self.generator.shutdown):
             try:
                 close()
             except Exception as e:  # keep closing the rest; a dead actor must not leak the others
@@ -65,40 +56,78 @@ class RayCluster:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     bundles: list[dict[str, float]]
-    generator_bundle: int
+    engine_bundles: list[int]
     learner_bundles: list[int]
-    generator_share: dict[str, float]
+    engine_share: dict[str, float]
     learner_share: dict[str, float]
 
+    @property
+    def ranks_per_engine(self) -> int:
+        """Colocated: engine e sits beside learner rank e * ranks_per_engine."""
+        return len(self.learner_bundles) // max(1, len(self.engine_bundles))
 
-def plan_layout(cfg: RunConfig, device_kind: str, *, generator: bool = True) -> _Layout:
-    """Bundles and per-actor resource shares for the configured placement (`generator=False`:
-    learners only, one whole device each)."""
-    n, g = cfg.learner.num_ranks, cfg.cluster.generator_gpus
+
+def resolve_engines(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
+    """The number of engines: `cluster.generator_engines`, or what `auto` means for this
+    placement and device (module docstring), checked against the GPUs of the Ray cluster.
+    Raises ConfigError (one line) when the run cannot fit."""
+    cl, ranks, tp = cfg.cluster, cfg.learner.num_ranks, cfg.cluster.generator_tp
+    engines = cl.generator_engines
+    if engines == "auto":
+        if device_kind == "cpu":
+            engines = 1
+        elif cl.placement == "colocated":
+            engines = ranks
+        else:
+            free = int(cluster_gpus) - ranks
+            if free < tp or free % tp:
+                raise ConfigError(
+                    f"cluster.generator_engines=auto: the Ray cluster's {cluster_gpus:g} GPUs less learner.num_ranks="
+                    f"{ranks} leave {free}, not a positive multiple of cluster.generator_tp={tp}; set "
+                    f"cluster.generator_engines or learner.num_ranks")
+            engines = free // tp
+        if cfg.algorithm == "grpo":  # never more engines than a step has groups
+            engines = min(engines, cfg.grpo.prompts_per_step)
+            while cl.placement == "colocated" and ranks % engines:
+                engines -= 1
+    if device_kind != "cpu":
+        need = ranks + (engines * tp if cl.placement == "split" else 0)
+        if need > cluster_gpus:
+            raise ConfigError(
+                f"the run needs {need} GPUs (learner.num_ranks={ranks}"
+                + (f" + {engines} engines x cluster.generator_tp={tp}" if cl.placement == "split" else "")
+                + f") but the Ray cluster has {cluster_gpus:g}")
+    return engines
+
+
+def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
+    """Bundles and per-actor resource shares for the configured placement with `engines` engines
+    (0: learners only, one whole device each)."""
+    n, tp = cfg.learner.num_ranks, cfg.cluster.generator_tp
     unit = "GPU" if device_kind != "cpu" else "CPU"
     # CPU shares are tokens for scheduling, not a claim on cores: actors on CPU all share the host.
     one = 1.0 if unit == "GPU" else 0.1
-    if not generator:
-        return _Layout(bundles=[{unit: one} for _ in range(n)], generator_bundle=-1,
-                       learner_bundles=list(range(n)), generator_share={}, learner_share={unit: one})
+    if not engines:
+        return Layout(bundles=[{unit: one} for _ in range(n)], engine_bundles=[],
+                      learner_bundles=list(range(n)), engine_share={}, learner_share={unit: one})
     if cfg.cluster.placement == "colocated":
-        if g != 1:
-            raise ValueError("cluster.placement=colocated runs one engine beside learner rank 0: set "
-                             "cluster.generator_gpus=1 (or use placement=split for tensor-parallel generation)")
-        return _Layout(
+        if n % engines or tp != 1:
+            raise ConfigError(f"cluster.generator_engines={engines} with placement=colocated needs a divisor of "
+                              f"learner.num_ranks={n} and cluster.generator_tp=1")
+        return Layout(
             bundles=[{unit: one} for _ in range(n)],
-            generator_bundle=0,
+            engine_bundles=[e * (n // engines) for e in range(engines)],
             learner_bundles=list(range(n)),
-            generator_share={unit: one * 0.4},
+            engine_share={unit: one * 0.4},
             learner_share={unit: one * 0.5},
         )
-    return _Layout(
-        bundles=[{unit: one * g}] + [{unit: one} for _ in range(n)],
-        generator_bundle=0,
-        learner_bundles=list(range(1, n + 1)),
-        generator_share={unit: one * g},
+    return Layout(
+        bundles=[{unit: one * tp} for _ in range(engines)] + [{unit: one} for _ in range(n)],
+        engine_bundles=list(range(engines)),
+        learner_bundles=list(range(engines, engines + n)),
+        engine_share={unit: one * tp},
         learner_share={unit: one},
     )
 
@@ -113,9 +142,9 @@ def needs_reference(cfg: RunConfig) -> bool:
     return cfg.grpo.kl_coef > 0 if cfg.algorithm == "grpo" else needs_reference_model(cfg)
 
 
-def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: _Layout) -> RayLearnerGroup:
+def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:
     group = ActorGroup(
-        load_class(LEARNERS[cfg.learner.backend]), pg=pg, bundles=layout.learner_bundles,
+        load_class(LEARNERS[cfg.learner.backend]), name="learner rank", pg=pg, bundles=layout.learner_bundles,
         **_share(layout.learner_share),
         make_kwargs=lambda rank, addr, port: dict(
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
@@ -124,6 +153,50 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: _Layout) ->
         ),
     )
     return RayLearnerGroup(group, model_path=model_path, export_dtype=cfg.model.dtype)
+
+
+def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, device_kind: str) -> EngineGroup:
+    engines = len(layout.engine_bundles)
+    group = ActorGroup(
+        load_class(GENERATORS[cfg.generation.backend]), name="engine", pg=pg, bundles=layout.engine_bundles,
+        **_share(layout.engine_share),
+        make_kwargs=lambda rank, addr, port: dict(
+            model_path=model_path, cfg=cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
+            enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
+            tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
+        ),
+    )
+    return EngineGroup(group)
+
+
+def _placement_group(cfg: RunConfig, layout: Layout) -> Any:
+    """The run's placement group, ready; a clear error instead of waiting forever when the Ray
+    cluster cannot hold it (too few devices, or none of its nodes has a bundle's devices)."""
+    pg = placement_group(layout.bundles, strategy=cfg.cluster.placement_strategy)
+    try:
+        ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise ConfigError(
+            f"Ray could not place the run's {len(layout.bundles)} bundles {layout.bundles} with strategy "
+            f"{cfg.cluster.placement_strategy} within {PLACEMENT_TIMEOUT_S:g} s; the cluster has "
+            f"{_resources()}") from None
+    return pg
+
+
+def _resources() -> str:
+    res = ray.cluster_resources()
+    return f"{len(ray.nodes())} node(s), {res.get('GPU', 0):g} GPUs, {res.get('CPU', 0):g} CPUs"
+
+
+def describe_placement(pg: Any, layout: Layout) -> str:
+    """One line: which node holds each engine and each learner rank (node ids shortened)."""
+    nodes = placement_group_table(pg)["bundles_to_node_id"]
+    short = {node: f"node{i}" for i, node in enumerate(dict.fromkeys(nodes[b] for b in sorted(nodes)))}
+    engines = " ".join(f"{e}@{short[nodes[b]]}" for e, b in enumerate(layout.engine_bundles))
+    learners = " ".join(f"{r}@{short[nodes[b]]}" for r, b in enumerate(layout.learner_bundles))
+    ids = ", ".join(f"{name}={node[:8]}" for node, name in short.items())
+    return f"placement: engines {engines or '-'} | learner ranks {learners} ({ids})"
 
 
 @dataclass
@@ -142,9 +215,8 @@ class LearnerCluster:
 
 def build_learner_cluster(cfg: RunConfig, model_path: str) -> LearnerCluster:
     """The learner group alone, one device per rank; Ray must be initialised already."""
-    layout = plan_layout(cfg, detect().kind, generator=False)
-    pg = placement_group(layout.bundles, strategy="PACK")
-    ray.get(pg.ready())
+    layout = plan_layout(cfg, detect().kind)
+    pg = _placement_group(cfg, layout)
     return LearnerCluster(learners=_learner_group(cfg, model_path, pg, layout), pg=pg)
 
 
@@ -153,30 +225,23 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     device = detect()
-    layout = plan_layout(cfg, device.kind)
-    pg = placement_group(layout.bundles, strategy="PACK")
-    ray.get(pg.ready())
-
-    gen_cls = ray.remote(load_class(GENERATORS[cfg.generation.backend]))
-    generator = gen_cls.options(
-        **_share(layout.generator_share),
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.generator_bundle),
-    ).remote(
-        model_path, cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
-        enable_sleep=device.kind != "cpu" and cfg.cluster.placement == "colocated",
-        tensor_parallel_size=cfg.cluster.generator_gpus,
-    )
-
+    engines = resolve_engines(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
+    layout = plan_layout(cfg, device.kind, engines)
+    pg = _placement_group(cfg, layout)
+    print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "
+          f"{cfg.learner.num_ranks} {cfg.learner.backend} learner rank(s) on {_resources()}")
+    print(describe_placement(pg, layout))
+    generator = _engine_group(cfg, model_path, pg, layout, device.kind)
     learners = _learner_group(cfg, model_path, pg, layout)
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
     addr, port = ray.get(node_address.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote())
     transport = choose_transport(cfg, device.kind, addr, port)
+    targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks, layout.ranks_per_engine)
     return RayCluster(
-        generator=RemoteGenerator(generator),
+        generator=generator,
         learners=learners,
-        weight_sync=WeightSyncer(learners, generator, transport),
+        weight_sync=WeightSyncer(learners, targets, transport),
         rewards=RayRewardScorer(cfg.reward),
         pg=pg,
     )
-

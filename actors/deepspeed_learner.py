@@ -113,15 +113,16 @@ class DeepSpeedLearner(LearnerRank):
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
+        keep = self.rank == 0 if keep is None else keep
         for name, param in self.engine.module.named_parameters():
             if self.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
                 yield name, param.detach()
                 continue
-            # ZeRO-3: gather this one parameter on every rank; only rank 0 keeps a copy.
+            # ZeRO-3: gather this one parameter on every rank; the ranks that keep it copy it out.
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                full = param.detach().clone() if self.rank == 0 else None
+                full = param.detach().clone() if keep else None
             yield name, full
 
     # ---------------------------------------------------------------- checkpoints

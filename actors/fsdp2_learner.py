@@ -89,8 +89,9 @@ class FSDP2Learner(LearnerRank):
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
+        # full_tensor() all-gathers: every rank gets the full tensor whether it keeps it or not.
         for name, param in self.model.named_parameters():
             yield name, param.full_tensor() if isinstance(param, DTensor) else param
 

@@ -13,8 +13,10 @@ Choices:
    scores: the log-prob of the sampled token under the distribution it was drawn from (logits /
    temperature, top-k/top-p renormalised; raw logits when greedy), like VLLMGenerator.
 4. Seeding never touches the caller's RNG: sampling runs under `torch.random.fork_rng`, seeded by
-   SamplingSpec.seed, or by (constructor seed, call count) when that is None, so a run is
-   reproducible from its seed.
+   the seed of the call's first prompt (`SamplingSpec.prompt_seed(first_index)`), or by
+   (constructor seed, call count) when the call is unseeded, so a run is reproducible from its
+   seed. One RNG for the whole batch: unlike vLLM's per-prompt seeds, the samples depend on how
+   the prompts are batched (on the engine count, with several engines).
 5. Weight updates are `load_state_dict(bucket, strict=False)`: a bucket may hold any subset of the
    tensors; a name the model does not have is an error, not a silent skip.
 """
@@ -38,9 +40,10 @@ class HFGenerator:
     """`rlhf.protocols.Generator` on transformers, with VLLMGenerator's weight-update methods."""
 
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int,
-                 enable_sleep: bool, tensor_parallel_size: int = 1) -> None:
-        """Same signature as VLLMGenerator; `cfg`, `enable_sleep` and `tensor_parallel_size` have nothing to configure here
-        (every sampling knob arrives with each SamplingSpec)."""
+                 enable_sleep: bool, tensor_parallel_size: int = 1, engines_per_host: int = 1) -> None:
+        """Same signature as VLLMGenerator; `cfg`, `enable_sleep`, `tensor_parallel_size` and
+        `engines_per_host` have nothing to configure here (every sampling knob arrives with each
+        SamplingSpec)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers import GenerationConfig as HFGenerationConfig
 
@@ -61,8 +64,10 @@ class HFGenerator:
         self.model = model.to(self.device.torch_device(0)).eval()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n]."""
+    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec, first_index: int = 0
+                 ) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n].
+        `first_index`: the step-wide index of prompt_ids[0] (its seed, choice 4)."""
         from transformers import GenerationConfig as HFGenerationConfig
 
         dev = self.device.torch_device(0)
@@ -82,7 +87,8 @@ class HFGenerator:
             return_dict_in_generate=True,
             **knobs,
         )
-        seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
+        seed = sampling.prompt_seed(first_index)
+        seed = seed if seed is not None else self.seed * 1_000_003 + self._calls
         self._calls += 1
         with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
             torch.manual_seed(seed)
@@ -131,8 +137,9 @@ class HFGenerator:
     def update_weights_from_nccl(self, names: list[str], dtypes: list[str], shapes: list) -> None:
         raise NotImplementedError(_NO_NCCL)
 
-    def finish_weight_update(self) -> None:
-        """Nothing to commit: each bucket is live as soon as `update_weights` returns."""
+    def finish_weight_update(self) -> float:
+        """Nothing to commit: each bucket is live as soon as `update_weights` returns (0 s here)."""
+        return 0.0
 
     def sleep(self) -> None:
         """No-op: this backend keeps its weights where they are."""

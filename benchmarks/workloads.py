@@ -119,6 +119,16 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 512 tokens (ignore_eos), "
                     "colocated on 1 GPU; dense reward so every step has non-zero advantages",
     ),
+    Workload(
+        name="grpo-gpu-scale", algorithm="grpo", recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu.yaml",
+        model="random:qwen2.5-1.5b", task="arithmetic", prompts_per_step=64, group_size=8,
+        max_new_tokens=256, steps=5, lr=1e-6, micro_batch_size=16, ignore_eos=True,
+        extra=("data.num_train=1024", "data.num_eval=16",
+               "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
+        trl_sides=(), device="cuda",
+        description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 256 tokens (ignore_eos), "
+                    "ours alone on 1 and 2 GPUs (benchmarks/scale.py: one run per cluster layout)",
+    ),
 )}
 
 

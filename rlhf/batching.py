@@ -52,12 +52,29 @@ def pairs_to_batch(pairs: list[PreferencePair], pad_id: int) -> PreferenceBatch:
     return PreferenceBatch(input_ids, attention_mask, loss_mask)
 
 
+def even_shards(count: int, parts: int) -> list[range]:
+    """`count` items cut into `parts` contiguous ranges, in order, sizes differing by at most one
+    (the larger ones first). Concatenating the ranges gives back 0..count-1; a part gets an empty
+    range when there are fewer items than parts.
+
+    The one sharding rule of the project: learner ranks get rows (or pairs) this way, and
+    generation engines get whole prompts, so a GRPO group never spans two engines and the
+    engines' answers, concatenated, are in prompt order."""
+    if parts < 1 or count < 0:
+        raise ValueError(f"cannot cut {count} items into {parts} parts")
+    size, extra = divmod(count, parts)
+    bounds = [0]
+    for p in range(parts):
+        bounds.append(bounds[-1] + size + (p < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def shard_for_rank(batch: Batch, rank: int, world_size: int) -> Batch:
-    """Rank `rank`'s contiguous share of the items (rows, or pairs of rows). Shares differ by at
-    most one item; a rank may get none when there are fewer items than ranks (it still joins the
-    collectives with an empty batch)."""
-    bounds = torch.linspace(0, len(batch), world_size + 1).round().long().tolist()
-    return batch.select(slice(bounds[rank], bounds[rank + 1]))
+    """Rank `rank`'s contiguous share of the items (rows, or pairs of rows), per `even_shards`; a
+    rank may get none when there are fewer items than ranks (it still joins the collectives with
+    an empty batch)."""
+    part = even_shards(len(batch), world_size)[rank]
+    return batch.select(slice(part.start, part.stop))
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:

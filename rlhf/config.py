@@ -199,12 +199,21 @@ class EvalConfig:
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     placement: Literal["colocated", "split"] = "colocated"
-    """`colocated`: generator and learners share the devices (vLLM sleeps while learners train);
-    `split`: the first `generator_gpus` devices generate, the next `learner.num_ranks` learn."""
-    generator_gpus: int = 1
-    """Devices (vLLM tensor-parallel size) for generation."""
+    """`colocated`: engines and learners share the devices (the engines sleep while the learners
+    train); `split`: the first `generator_engines * generator_tp` devices generate, the next
+    `learner.num_ranks` learn."""
+    generator_engines: int | Literal["auto"] = "auto"
+    """vLLM engines generating in parallel (data parallel: a step's prompts are sharded across them
+    by whole groups). `auto`: colocated, one engine per learner device; split, the devices the
+    learners leave free, divided by `generator_tp`; on CPU, 1 (engines would share the same cores)."""
+    generator_tp: int = 1
+    """Devices per engine (vLLM tensor parallelism); split placement only."""
     weight_sync: Literal["auto", "cuda_ipc", "nccl", "cpu"] = "auto"
     """`auto` picks cuda_ipc when colocated on GPU, nccl when split on GPU, cpu on CPU."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """Ray placement-group strategy for the run's bundles (one per device): `PACK` fills a node
+    before the next one (several nodes only when one is too small), `SPREAD`/`STRICT_SPREAD` put
+    bundles on different nodes."""
     address: str | None = None
     """Ray address to join; None joins RAY_ADDRESS if set, else starts a local instance."""
 
@@ -294,7 +303,29 @@ def _validate(c: RunConfig) -> None:
     _check(c.data.num_train >= 1, "data.num_train", "an integer >= 1", c.data.num_train)
     _check(c.data.num_eval >= 0, "data.num_eval", "an integer >= 0", c.data.num_eval)
     _check(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", c.data.max_prompt_tokens)
-    _check(c.cluster.generator_gpus >= 1, "cluster.generator_gpus", "an integer >= 1", c.cluster.generator_gpus)
+    _validate_cluster(c)
+
+
+def _validate_cluster(c: RunConfig) -> None:
+    """Engine count and width against the learners and the prompts (what the GPU count allows is
+    checked at launch, against the Ray cluster: actors.cluster.resolve_engines)."""
+    cl, ranks = c.cluster, c.learner.num_ranks
+    _check(cl.generator_tp >= 1, "cluster.generator_tp", "an integer >= 1", cl.generator_tp)
+    _check(cl.placement == "split" or cl.generator_tp == 1, "cluster.generator_tp",
+           "1 with placement=colocated (an engine shares one learner's device; tensor-parallel engines "
+           "need placement=split)", cl.generator_tp)
+    engines = cl.generator_engines
+    if engines == "auto":
+        return
+    _check(engines >= 1, "cluster.generator_engines", "'auto' or an integer >= 1", engines)
+    if cl.placement == "colocated":
+        _check(ranks % engines == 0, "cluster.generator_engines",
+               f"a divisor of learner.num_ranks={ranks} with placement=colocated (each engine sits "
+               f"beside every num_ranks/engines-th learner rank)", engines)
+    if c.algorithm == "grpo":
+        _check(engines <= c.grpo.prompts_per_step, "cluster.generator_engines",
+               f"at most grpo.prompts_per_step={c.grpo.prompts_per_step} (a GRPO group never spans "
+               f"engines, so more engines than groups would idle)", engines)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,12 +396,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 
+# Keys of earlier versions: a recipe that still uses one gets told what to write instead.
+_RENAMED = {
+    "cluster.generator_gpus": "use cluster.generator_tp (devices per engine) and cluster.generator_engines "
+                              "(how many engines)",
+}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        if key in _RENAMED:
+            raise ConfigError(f"'{key}' was replaced: {_RENAMED[key]}")
         if name not in hints:
             raise ConfigError(f"unknown key '{key}' (allowed: {', '.join(names)})")
         kwargs[name] = _coerce(value, hints[name], key)

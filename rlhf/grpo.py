@@ -12,6 +12,7 @@ Algorithmic choices (each a config key):
 4. Token-level loss normalization by default (`token-mean`), over the whole step's tokens on all
    ranks, so micro-batching and sharding never change the gradient.
 5. Weights are pushed to the generator after every optimizer step, before the next generation.
+   The generator may be several engines (data parallel); the loop sees one Generator.
 6. With `eval_every=N > 0`, pass@k on a fixed held-out subset (rlhf.evaluate) before steps 0, N,
    2N, ... (merged into that step's record of metrics.jsonl: the policy after that many updates)
    and once more after the last step (a record of its own, `step` = grpo.steps).
@@ -65,9 +66,10 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
         with timer("sync"):
-            cluster.weight_sync.push(version=step + 1)
+            sync_metrics = cluster.weight_sync.push(version=step + 1)
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
-        log.log(step, {**step_metrics(rollouts, batch, train_metrics, timer.seconds), **evals})
+        log.log(step, {**step_metrics(rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
+                       **sync_metrics, **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": prompts.state_dict()})
     if evaluator is not None:  # the trained policy
@@ -98,15 +100,16 @@ def evaluate_if_due(evaluator: Evaluator | None, generator: Generator, step: int
 def generate_rollouts(
     generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int
 ) -> RolloutBatch:
-    """G samples per prompt. The sampling seed derives from (run seed, step), so a resumed run
-    draws the same samples as an uninterrupted one."""
+    """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed
+    run draws the same samples as an uninterrupted one, whatever the number of engines."""
     gen = cfg.generation
     sampling = SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
         top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step, ignore_eos=gen.ignore_eos,
     )
     completions = generator.generate(prompt_ids, sampling)
-    return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size)
+    return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size,
+                        engine_metrics=generator.last_metrics())
 
 
 def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig) -> StepMetrics:

@@ -23,7 +23,13 @@ class Generator(Protocol):
     """Samples completions from the current policy weights."""
 
     def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
-        """`sampling.n` completions per prompt, grouped: result[i*n:(i+1)*n] answer prompt i."""
+        """`sampling.n` completions per prompt, grouped: result[i*n:(i+1)*n] answer prompt i.
+        Prompt i samples with `sampling.prompt_seed(i)`, however the prompts are spread over engines."""
+        ...
+
+    def last_metrics(self) -> dict[str, float]:
+        """Figures of the last `generate` call per engine (`gen/engine{e}_tokens`, `gen/engine{e}_s`)
+        and `gen/engine_time_ratio` (slowest over fastest engine)."""
         ...
 
     def sleep(self) -> None:
@@ -64,8 +70,9 @@ class WeightSync(Protocol):
     next `generate` samples from the policy that was just trained (strictly on-policy).
     """
 
-    def push(self, version: int) -> float:
-        """Send the weights; return the seconds it took."""
+    def push(self, version: int) -> dict[str, float]:
+        """Send the weights to every engine; return per-engine figures (`sync/engine{e}_s`: the
+        seconds engine e spent receiving and committing). The loop times the whole push itself."""
         ...
 
 

@@ -46,7 +46,22 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    """Base seed of the call; prompt i of the step samples with `prompt_seed(i)`, so a prompt's
+    samples depend on (seed, its global index) only, not on which engine or batch it lands in."""
     ignore_eos: bool = False
+
+    def prompt_seed(self, index: int) -> int | None:
+        """The sampling seed of the step's prompt `index` (None when the call is unseeded).
+
+        A SplitMix64 mix of (seed, index), 62 bits: vLLM seeds the k-th of a prompt's n samples
+        with seed + k, so neighbouring prompts must not get neighbouring seeds."""
+        if self.seed is None:
+            return None
+        mask = 2**64 - 1
+        z = (self.seed * 0x9E3779B97F4A7C15 + index + 1) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return (z ^ (z >> 31)) >> 2
 
 
 @dataclass
@@ -77,6 +92,8 @@ class RolloutBatch:
     group_size: int
     rewards: torch.Tensor | None = None
     reward_metrics: dict[str, float] = field(default_factory=dict)
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+    """Per-engine generation figures of the step (Generator.last_metrics)."""
 
 
 @dataclass

@@ -86,7 +86,7 @@ def run(cfg, model: str, eval_set, scorer, *, out: Path, config_path: str) -> No
     try:
         generator = load_class(GENERATORS[cfg.generation.backend])(
             model, cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed, enable_sleep=False,
-            tensor_parallel_size=cfg.cluster.generator_gpus,
+            tensor_parallel_size=cfg.cluster.generator_tp,
         )
         try:
             result = evaluate(generator, scorer, eval_set, eval_sampling(cfg), cfg.eval.k)

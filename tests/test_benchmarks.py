@@ -223,3 +223,169 @@ def test_dpo_steps_summary_and_record():
     json.dumps(record)  # one JSON line
     table = format_table({k: record["summary"][k] for k in ("ours", "trl")}, "dpo")
     assert "| loss per step | 0.69 0.6 0.5 | 0.6 0.6 0.6 |" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo-gpu-scale (benchmarks/scale.py): layouts, per-layout summary, speedup, targets, table
+
+
+def _layout_metrics(step_s, engine_s, sync_s):
+    """Hand-made metrics.jsonl of one layout: an evaluation-only record, then one record per step
+    with `len(engine_s[k])` engines (each generating 100 tokens) and per-engine sync seconds."""
+    out = [{"step": -1, "eval/pass@1": 0.0}]
+    for k, (s, gens, syncs) in enumerate(zip(step_s, engine_s, sync_s)):
+        m = {"step": k, "timing/step_s": s, "timing/generate_s": max(gens), "timing/train_s": s / 2,
+             "timing/sync_s": max(syncs) + 0.05, "timing/reward_s": 0.01, "response_len/mean": 10.0,
+             "reward/mean": 0.5, "memory/learner_peak_gib": 3.0 + k, "gen/engine_time_ratio": max(gens) / min(gens)}
+        m.update({f"gen/engine{e}_tokens": 100.0 for e in range(len(gens))})
+        m.update({f"gen/engine{e}_s": g for e, g in enumerate(gens)})
+        m.update({f"sync/engine{e}_s": t for e, t in enumerate(syncs)})
+        out.append(m)
+    return out
+
+
+def _scale_runs():
+    """Two layouts' run records as benchmarks/scale.py builds them (64 samples per step)."""
+    from benchmarks.scale import layout_steps
+
+    one = _layout_metrics([30.0, 8.0, 8.0, 10.0], [[4.0]] * 4, [[0.1], [0.1], [0.2], [0.1]])
+    two = _layout_metrics([20.0, 5.0, 4.0, 6.0], [[2.0, 2.5], [2.0, 2.5], [2.0, 3.0], [2.0, 2.0]],
+                          [[0.1, 0.2], [0.1, 0.3], [0.1, 0.15], [0.1, 0.2]])
+    cluster = {"placement": "colocated", "engines": 2, "tp": 1, "ranks": 2, "backend": "deepspeed", "zero_stage": 2}
+    return {
+        "1gpu": {"ok": True, "steps": layout_steps(one, [200] * 4, 64), "peak_gpu_gib": 70.0,
+                 "cluster": {**cluster, "engines": 1, "ranks": 1, "backend": "fsdp2", "zero_stage": 3}},
+        "2gpu-zero2": {"ok": True, "steps": layout_steps(two, [200] * 4, 64), "peak_gpu_gib": 120.0,
+                       "cluster": cluster},
+        "2gpu-split": {"ok": False, "steps": [], "error": "Traceback ...\nRuntimeError: NCCL error\n\n"},
+    }
+
+
+def test_scale_steps_carry_per_engine_figures():
+    runs = _scale_runs()
+    steps = runs["2gpu-zero2"]["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]  # the evaluation-only record is skipped
+    assert [s["engines"] for s in steps] == [2, 2, 2, 2] and runs["1gpu"]["steps"][0]["engines"] == 1
+    assert [s["engine_time_ratio"] for s in steps] == [1.25, 1.25, 1.5, 1.0]
+    assert [s["sync_engine_max_s"] for s in steps] == [0.2, 0.3, 0.15, 0.2]
+    assert steps[1]["gen_tokens"] == 640.0 and steps[1]["step_s"] == 5.0  # summary.ours_grpo_steps' fields
+
+
+def test_scale_summary_and_speedup():
+    from benchmarks.scale import summarize_layout, with_speedups
+
+    runs = _scale_runs()
+    summaries = with_speedups({name: summarize_layout(runs[name], gpus=gpus, samples_per_step=64)
+                               for name, gpus in (("1gpu", 1), ("2gpu-zero2", 2))})
+    one, two = summaries["1gpu"], summaries["2gpu-zero2"]
+    assert one["step_s"] == 8.0 and two["step_s"] == 5.0  # medians of steps 1..3
+    assert one["samples_per_s"] == 8.0 and one["samples_per_s_per_gpu"] == 8.0 and one["speedup"] == 1.0
+    assert two["samples_per_s"] == 12.8 and two["samples_per_s_per_gpu"] == 6.4
+    assert two["speedup"] == pytest.approx(1.6)
+    assert two["generate_s"] == 2.5 and two["train_s"] == 2.5
+    assert two["sync_s"] == pytest.approx(0.25)  # median of 0.35, 0.2, 0.25
+    assert two["sync_engine_max_s"] == 0.3  # the slowest engine of steps 1..3
+    assert two["engine_time_ratio"] == 1.25  # median of 1.25, 1.5, 1.0
+    assert two["learner_peak_gib"] == 6.0 and two["peak_gpu_gib"] == 120.0  # max over all steps; nvidia-smi
+    assert (two["gpus"], two["engines"], two["learners"]) == (2, 2, "2 deepspeed ZeRO-2")
+    assert (one["engines"], one["learners"]) == (1, "1 fsdp2")
+    assert two["reward_mean"] == 0.5
+    # Without a cluster line (it never printed), the engines come from the per-engine metrics.
+    no_line = summarize_layout({**runs["2gpu-zero2"], "cluster": None}, gpus=2, samples_per_step=64)
+    assert no_line["engines"] == 2 and no_line["learners"] is None
+    assert with_speedups({"2gpu-zero2": two})["2gpu-zero2"]["speedup"] is None  # no 1gpu baseline
+
+
+def test_scale_targets_table_and_record():
+    from benchmarks.scale import SCALE_RECORD_KEYS, build_scale_record, format_scale_table, last_line
+
+    runs = _scale_runs()
+    layouts = {"1gpu": {"gpus": 1, "overrides": []}, "2gpu-zero2": {"gpus": 2, "overrides": []},
+               "2gpu-split": {"gpus": 2, "overrides": []}}
+    record = build_scale_record(
+        workload={**WORKLOADS["grpo-gpu-scale"].to_dict(), "prompts_per_step": 16, "group_size": 4}, time="t",
+        command="c", git={"commit": "abc"}, machine={"gpus": ["H100"]}, versions={}, env={}, overrides=["a=b"],
+        layouts=layouts, sides=runs, notes=[])
+    assert tuple(record) == SCALE_RECORD_KEYS
+    assert set(record["summary"]) == {"1gpu", "2gpu-zero2"}  # a failed layout keeps its record, no summary
+    assert record["summary"]["2gpu-zero2"]["speedup"] == pytest.approx(1.6)
+    assert record["targets"] == [
+        "2 GPUs vs 1: best 2-GPU layout 2gpu-zero2 gives 1.60x samples/s (target >= 1.8x): missed",
+        "sync: max 0.25 s (target <= 0.3 s): met (median of steps 1..N-1, layout 2gpu-zero2)",
+    ]
+    json.dumps(record)  # one JSON line
+    errors = {"2gpu-split": last_line(runs["2gpu-split"]["error"])}
+    lines = format_scale_table(list(layouts), record["summary"], errors).splitlines()
+    assert lines[0] == "| metric | 1gpu | 2gpu-zero2 | 2gpu-split |"
+    assert "| GPUs | 1 | 2 | failed |" in lines
+    assert "| learner ranks, backend | 1 fsdp2 | 2 deepspeed ZeRO-2 | failed |" in lines
+    assert "| samples/s: prompts x group / step s | 8 | 12.8 | failed |" in lines
+    assert "| speedup vs 1gpu (samples/s) | 1 | 1.6 | failed |" in lines
+    assert "| max engine sync s (sync/engine*_s) | 0.2 | 0.3 | failed |" in lines
+    assert not any(line.startswith("| peak host memory") for line in lines)  # no layout has a value
+    assert lines[-1] == "2gpu-split failed: RuntimeError: NCCL error"
+
+
+def test_scale_cluster_line_and_layout_choice():
+    from benchmarks.scale import LAYOUTS, choose_layouts, parse_cluster_line, visible_gpus
+
+    log = ("noise\ncluster: split, 1 engine(s) x TP 1, 1 fsdp2 learner rank(s) on 1 node(s), 2 GPUs, 32 CPUs\n"
+           "placement: engines 0@node0 | learner ranks 0@node0")
+    assert parse_cluster_line(log) == {"placement": "split", "engines": 1, "tp": 1, "ranks": 1, "backend": "fsdp2"}
+    assert parse_cluster_line("Traceback: died early") is None
+    assert choose_layouts(None, 1, on_gpu=True) == (
+        ["1gpu"], [f"{n} skipped: needs 2 GPUs, 1 visible" for n in ("2gpu-fsdp2", "2gpu-zero2", "2gpu-split")])
+    assert choose_layouts(None, 2, on_gpu=True) == (list(LAYOUTS), [])
+    assert choose_layouts(["2gpu-split"], 0, on_gpu=False) == (["2gpu-split"], [])  # CPU: GPUs are nominal
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_scale_layouts_resolve(tmp_path, on_gpu):
+    from benchmarks.scale import LAYOUTS, layout_overrides
+
+    w = WORKLOADS["grpo-gpu-scale"]
+    assert (w.prompts_per_step, w.group_size, w.max_new_tokens, w.ignore_eos, w.trl_sides) == (64, 8, 256, True, ())
+    assert w.extra == WORKLOADS["grpo-gpu"].extra
+    want = {"1gpu": ("colocated", 1, "fsdp2"), "2gpu-fsdp2": ("colocated", 2, "fsdp2"),
+            "2gpu-zero2": ("colocated", 2, "deepspeed"), "2gpu-split": ("split", 1, "fsdp2")}
+    for name, layout in LAYOUTS.items():
+        base = our_overrides(w, output_dir=str(tmp_path / name), model_path=str(tmp_path / "model"))
+        cfg = load_config(w.recipe, [*base, *layout_overrides(layout, on_gpu=on_gpu)])
+        assert (cfg.cluster.placement, cfg.learner.num_ranks, cfg.learner.backend) == want[name]
+        assert cfg.generation.max_new_tokens == 256 and cfg.generation.ignore_eos
+        # GPU: `auto` resolves the engines at launch; CPU: the same count, given explicitly.
+        assert cfg.cluster.generator_engines == ("auto" if on_gpu else layout.engines)
+    assert load_config(w.recipe, list(LAYOUTS["2gpu-zero2"].overrides)).learner.zero_stage == 2
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_scale_runs_two_layouts_end_to_end_on_cpu(tmp_path):
+    """benchmarks/scale.py --tiny: 1gpu (1 engine + 1 rank) and 2gpu-fsdp2 (2 engines + 2 ranks),
+    one after the other on CPU; one table, the target lines, one JSON line with both layouts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/scale.py", "--tiny", "--layouts", "1gpu,2gpu-fsdp2", "--steps", "2",
+         "--workdir", str(tmp_path / "work"), "--results", str(tmp_path / "results")],
+        cwd=repo, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "| metric | 1gpu | 2gpu-fsdp2 |" in lines
+    assert "| engines | 1 | 2 |" in lines and "| learner ranks, backend | 1 fsdp2 | 2 fsdp2 |" in lines
+    assert any(line.startswith("2 GPUs vs 1: best 2-GPU layout 2gpu-fsdp2 gives ") for line in lines)
+    assert any(line.startswith("sync: max ") for line in lines)
+    [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu-scale-tiny.jsonl").read_text()
+                .splitlines()]
+    assert list(record["layouts"]) == ["1gpu", "2gpu-fsdp2"]
+    for name, engines in (("1gpu", 1), ("2gpu-fsdp2", 2)):
+        side = record["sides"][name]
+        assert side["ok"] and [s["step"] for s in side["steps"]] == [0, 1]
+        assert all(s["engines"] == engines for s in side["steps"]) and side["cluster"]["engines"] == engines
+        assert record["summary"][name]["samples_per_s"] > 0
+    assert record["summary"]["1gpu"]["speedup"] == 1.0

@@ -33,7 +33,8 @@ ALLOWED_KEYS = {
     "learner.max_grad_norm", "learner.micro_batch_size",
     "learner.pack_sequences", "learner.share_prompts", "learner.deepspeed_config",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
-    "cluster.placement", "cluster.generator_gpus", "cluster.weight_sync", "cluster.address",
+    "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
+    "cluster.placement_strategy", "cluster.address",
 }
 
 

@@ -93,9 +93,11 @@ def _make_learner(backend: str, rank: int, world: int, port: int, model_path: st
                with_reference=with_reference, seed=0)
 
 
-def _weights(learner) -> dict[str, torch.Tensor]:
-    """Full weights through the weight-sync path (small buckets: several per model)."""
-    return {n: t.clone() for bucket in learner.iter_weight_buckets(2**16, torch.float32) for n, t in bucket}
+def _weights(learner, keep: bool | None = None) -> dict[str, torch.Tensor]:
+    """Full weights through the weight-sync path (small buckets: several per model); by default
+    only rank 0 keeps them, as when it alone feeds the engines."""
+    keep = learner.rank == 0 if keep is None else keep
+    return {n: t.clone() for bucket in learner.iter_weight_buckets(2**16, torch.float32, keep=keep) for n, t in bucket}
 
 
 def _local_share(model: torch.nn.Module) -> float:
@@ -122,6 +124,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, model_path: str,
                  "reference_trainable": any(p.requires_grad for p in learner.reference.parameters()),
                  "logprobs": learner.logprobs(first), "ref_logprobs": learner.logprobs(first, reference=True)}
     res["grpo"] = (learner.train_step(first, GRPO), _weights(learner))
+    res["every_rank"] = _weights(learner, keep=True)  # colocated engines: each rank feeds its own
     learner.save(f"{out}/ckpt", model_path, "float32")
     res["continued"] = (learner.train_step(second, GRPO), _weights(learner))
     learner.load(f"{out}/ckpt")
@@ -208,6 +211,17 @@ def test_first_step_matches_single_process(run, setup, objective):
     assert moved > LEARNER.lr / 6  # the step did move the weights, by far more than the tolerance
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, atol=TOL, rtol=0, msg=name)
+
+
+def test_every_rank_can_keep_the_full_weights(run):
+    """Colocated engines get the weights from the learner rank on their own device: when every
+    rank keeps the gathered tensors, each holds exactly rank 0's full weights."""
+    results, _ = run
+    rank0, rank1 = results[0]["every_rank"], results[1]["every_rank"]
+    assert rank0.keys() == rank1.keys() == results[0]["grpo"][1].keys()
+    for name, tensor in rank0.items():
+        assert torch.equal(rank1[name], tensor), name
+        assert torch.equal(results[0]["grpo"][1][name], tensor), name
 
 
 def test_full_parameters_equal_the_model(run, setup):

@@ -61,7 +61,8 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBa
     shard = shard_for_rank(batch, rank, world)
     lp = learner.logprobs(shard)
     metrics = learner.train_step(shard, objective)
-    weights = {n: t for bucket in learner.iter_weight_buckets(2**20, torch.float32) for n, t in bucket}
+    # Every rank keeps the full tensors, as when each feeds the colocated engine on its own device.
+    weights = {n: t for bucket in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in bucket}
     torch.save((rank, lp, metrics, weights), f"{out}/rank{rank}.pt")  # files, not a queue: tensors outlive the process
     learner.shutdown()
 
@@ -102,7 +103,9 @@ def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, tmp_path):
     assert results[1][2].loss == pytest.approx(ref_loss, abs=1e-5)  # every rank reports the reduced value
     assert metrics.num_tokens == int(batch.loss_mask.sum())
     weights = results[0][3]
-    assert results[1][3] == {}  # only rank 0 holds full tensors
+    assert results[1][3].keys() == weights.keys()  # each rank gathered the same full tensors
+    for name, tensor in weights.items():
+        assert torch.equal(results[1][3][name], tensor), name
     assert weights.keys() == ref_weights.keys()
     assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-5)
     # Adam's first step is lr * g / (|g| + eps): for near-zero gradients float reduction order moves

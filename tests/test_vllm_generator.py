@@ -13,13 +13,12 @@ Run with `-s` to see the measured numbers (engine start, tokens/s, sync seconds,
 from __future__ import annotations
 
 import math
-import re
 import time
-from collections import defaultdict
 
 import pytest
 import torch
 
+from actors.vllm_generator import expected_checksums
 from rlhf.config import GenerationConfig
 from rlhf.types import Completion, SamplingSpec
 
@@ -149,16 +148,6 @@ def _sync(generator, model) -> float:
     return time.perf_counter() - start
 
 
-def _expected_vllm_checksums(model) -> dict[str, float]:
-    """HF parameter sums folded onto vLLM's fused parameter names."""
-    sums: dict[str, float] = defaultdict(float)
-    for name, p in model.named_parameters():
-        name = re.sub(r"\.(q|k|v)_proj\.", ".qkv_proj.", name)
-        name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
-        sums[name] += float(p.detach().double().sum())
-    return dict(sums)
-
-
 # --------------------------------------------------------------------------- (a), (d)
 
 
@@ -191,6 +180,19 @@ def test_generate_shapes_grouping_and_determinism(generator):
         assert greedy[2 * i].token_ids == greedy[2 * i + 1].token_ids
 
 
+def test_a_prompts_samples_do_not_depend_on_how_the_prompts_are_split(vllm_gen):
+    """Each prompt samples with its own seed from (call seed, its index in the step): splitting a
+    step's prompts over two engines (here two calls with their `first_index`) draws the same tokens
+    as one engine, in fp32, and enough prompts that the engine schedules them over several steps."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 9)] for i in range(24)]
+    spec = SamplingSpec(n=3, max_new_tokens=10, temperature=1.0, seed=21)
+    whole = vllm_gen.generate(prompts, spec)
+    split = vllm_gen.generate(prompts[:10], spec) + vllm_gen.generate(prompts[10:], spec, first_index=10)
+    assert _tokens(split) == _tokens(whole)
+    shifted = vllm_gen.generate(prompts[10:], spec)  # same prompts, other indices: other samples
+    assert _tokens(shifted) != _tokens(whole[30:])
+
+
 # --------------------------------------------------------------------------- (b), (d)
 
 
@@ -214,7 +216,7 @@ def test_weight_sync_in_buckets_that_split_fused_layers(generator, tiny_qwen2):
         print(f"\n[{type(generator).__name__}] update_weights, 3 buckets + finish: {seconds:.3f} s")
 
         got = generator.weights_checksum()
-        want = _expected_vllm_checksums(model) if type(generator).__name__ == "VLLMGenerator" else {
+        want = expected_checksums(model.named_parameters()) if type(generator).__name__ == "VLLMGenerator" else {
             n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
         assert got.keys() == want.keys()
         for name in want:

@@ -1,0 +1,256 @@
+"""Data-parallel generation without vLLM: prompt sharding, per-prompt seeds, the engine count and
+layout for each placement, which learner rank feeds which engine, per-engine metrics, and (over
+real Ray actors) order restoration and fail-fast errors that name the actor and the phase."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from rlhf.batching import even_shards
+from rlhf.config import ConfigError, load_config
+from rlhf.types import Completion, SamplingSpec
+
+# ------------------------------------------------------------------------------------------------
+# Sharding: contiguous, balanced, order restored, a group never split
+
+
+@pytest.mark.parametrize("count,parts", [(0, 3), (1, 4), (5, 2), (7, 3), (8, 8), (64, 7), (3, 1)])
+def test_even_shards_cover_everything_in_order_and_balance(count, parts):
+    shards = even_shards(count, parts)
+    assert len(shards) == parts
+    assert [i for s in shards for i in s] == list(range(count))  # concatenation restores the order
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the larger shares first
+
+
+def test_even_shards_hand_computed():
+    assert even_shards(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert even_shards(2, 4) == [range(0, 1), range(1, 2), range(2, 2), range(2, 2)]
+    with pytest.raises(ValueError):
+        even_shards(4, 0)
+
+
+def test_a_group_never_spans_engines():
+    """Engines get whole prompts; completions [i*n, (i+1)*n) answer prompt i, so the n samples of a
+    prompt always come from the engine that got the prompt."""
+    n, prompts = 4, 10
+    owner = {}
+    for engine, shard in enumerate(even_shards(prompts, 3)):
+        for p in shard:
+            for k in range(n):
+                owner[p * n + k] = engine
+    for p in range(prompts):
+        assert len({owner[p * n + k] for k in range(n)}) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-prompt seeds
+
+
+def test_prompt_seeds_are_deterministic_distinct_and_not_adjacent():
+    spec = SamplingSpec(n=8, max_new_tokens=4, seed=12345)
+    seeds = [spec.prompt_seed(i) for i in range(2000)]
+    assert seeds == [SamplingSpec(n=8, max_new_tokens=4, seed=12345).prompt_seed(i) for i in range(2000)]
+    assert all(0 <= s < 2**62 for s in seeds)
+    # vLLM seeds the k-th sample of a prompt with seed + k: no two prompts may share any of those.
+    used = [s + k for s in seeds for k in range(spec.n)]
+    assert len(set(used)) == len(used)
+    other = SamplingSpec(n=8, max_new_tokens=4, seed=12346)
+    assert not set(seeds) & {other.prompt_seed(i) for i in range(2000)}  # the next step draws anew
+    assert SamplingSpec(n=1, max_new_tokens=1).prompt_seed(3) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine count, layout and weight-sync targets
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["grpo.prompts_per_step=8", *overrides])
+
+
+def test_auto_engine_count_per_placement_and_device():
+    from actors.cluster import resolve_engines
+
+    assert resolve_engines(_cfg("learner.num_ranks=4"), "cpu", 0) == 1  # CPU: engines would share cores
+    assert resolve_engines(_cfg("learner.num_ranks=4"), "cuda", 4) == 4  # colocated: one per learner GPU
+    assert resolve_engines(_cfg("learner.num_ranks=8", "grpo.prompts_per_step=6"), "cuda", 8) == 4  # <= groups,
+    # and a divisor of the ranks
+    split = ["cluster.placement=split", "learner.num_ranks=7"]
+    assert resolve_engines(_cfg(*split), "cuda", 8) == 1  # the seeds' layout: GPU 0 generates, 1-7 learn
+    assert resolve_engines(_cfg("cluster.placement=split", "learner.num_ranks=4"), "cuda", 8) == 4
+    assert resolve_engines(_cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_tp=2"),
+                           "cuda", 8) == 3
+    assert resolve_engines(_cfg("cluster.generator_engines=2", "learner.num_ranks=2"), "cpu", 0) == 2
+
+
+@pytest.mark.parametrize("overrides,gpus,message", [
+    (["cluster.placement=split", "learner.num_ranks=8"], 8, "leave 0"),
+    (["cluster.placement=split", "learner.num_ranks=5", "cluster.generator_tp=2"], 8, "not a positive multiple"),
+    (["cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=3"], 4, "needs 5 GPUs"),
+    (["learner.num_ranks=4"], 2, "needs 4 GPUs"),
+])
+def test_engine_count_that_does_not_fit_the_gpus_is_one_line(overrides, gpus, message):
+    from actors.cluster import resolve_engines
+
+    with pytest.raises(ConfigError, match=message) as err:
+        resolve_engines(_cfg(*overrides), "cuda", gpus)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["learner.num_ranks=4", "cluster.generator_engines=3"], "a divisor of learner.num_ranks=4"),
+    (["learner.num_ranks=8", "cluster.generator_engines=8", "grpo.prompts_per_step=4"],
+     "at most grpo.prompts_per_step=4"),
+    (["cluster.generator_engines=0"], "'auto' or an integer >= 1"),
+    (["cluster.generator_tp=2"], "tensor-parallel engines need placement=split"),
+    (["cluster.generator_tp=0", "cluster.placement=split"], "an integer >= 1"),
+    (["cluster.generator_engines=two"], "expected an integer or one of 'auto'"),
+    (["cluster.generator_gpus=2"], "use cluster.generator_tp"),
+    (["cluster.placement_strategy=EVERYWHERE"], "one of 'PACK'"),
+])
+def test_bad_engine_settings_are_one_line_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_layouts():
+    from actors.cluster import plan_layout
+
+    colocated = plan_layout(_cfg("learner.num_ranks=4", "cluster.generator_engines=2"), "cuda", 2)
+    assert colocated.bundles == [{"GPU": 1.0}] * 4
+    assert colocated.engine_bundles == [0, 2] and colocated.learner_bundles == [0, 1, 2, 3]
+    assert colocated.ranks_per_engine == 2
+    assert colocated.engine_share["GPU"] + colocated.learner_share["GPU"] <= 1.0  # both fit on one GPU
+
+    split = plan_layout(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_tp=2"), "cuda", 2)
+    assert split.bundles == [{"GPU": 2.0}] * 2 + [{"GPU": 1.0}] * 3
+    assert split.engine_bundles == [0, 1] and split.learner_bundles == [2, 3, 4]
+
+    cpu = plan_layout(_cfg("learner.num_ranks=2", "cluster.generator_engines=2"), "cpu", 2)
+    assert cpu.bundles == [{"CPU": 0.1}] * 2 and cpu.engine_bundles == [0, 1]
+    assert plan_layout(_cfg("learner.num_ranks=2"), "cpu").engine_bundles == []  # learners only (DPO)
+
+
+def test_which_rank_feeds_which_engine():
+    import torch
+
+    from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, engine_targets
+
+    engines = ["e0", "e1"]
+    ipc = engine_targets(CudaIpcTransport(dtype=torch.bfloat16), engines, num_ranks=4, ranks_per_engine=2)
+    assert ipc == [[(0, "e0")], [], [(1, "e1")], []]  # each engine from the rank on its own GPU
+    cpu = engine_targets(ObjectStoreTransport(dtype=torch.float32), engines, num_ranks=2, ranks_per_engine=1)
+    assert cpu == [[(0, "e0"), (1, "e1")], []]  # rank 0 sends each bucket once to every engine
+
+
+def test_engine_metrics():
+    from actors.engine_group import engine_metrics
+
+    m = engine_metrics({0: (100, 2.0), 1: (80, 0.5)})
+    assert m == {"gen/engine0_tokens": 100.0, "gen/engine0_s": 2.0, "gen/engine1_tokens": 80.0,
+                 "gen/engine1_s": 0.5, "gen/engine_time_ratio": 4.0}
+    assert engine_metrics({0: (5, 1.0)})["gen/engine_time_ratio"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Over real Ray actors
+
+
+class FakeEngine:
+    """Answers each prompt with n completions that spell out (engine, global prompt index, k)."""
+
+    def __init__(self, rank: int, delay: float = 0.0) -> None:
+        self.rank, self.delay = rank, delay
+
+    def generate(self, prompt_ids, sampling, first_index=0):
+        time.sleep(self.delay)
+        return [Completion(token_ids=[first_index + i, k], logprobs=[0.0, 0.0], text=f"{self.rank}",
+                           finish_reason="stop") for i, _ in enumerate(prompt_ids) for k in range(sampling.n)]
+
+    def stall(self):
+        time.sleep(3600)
+
+    def crash(self):
+        os._exit(1)
+
+    def fail(self):
+        raise ValueError("bad bucket")
+
+    def shutdown(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _group(ray, engines: int, delays=None):
+    from ray.util.placement_group import placement_group
+
+    from actors.actor_group import ActorGroup
+
+    pg = placement_group([{"CPU": 0.1}] * engines)
+    ray.get(pg.ready())
+    delays = delays or [0.0] * engines
+    return ActorGroup(FakeEngine, name="engine", pg=pg, bundles=list(range(engines)), num_cpus=0.1, num_gpus=0,
+                      make_kwargs=lambda rank, addr, port: dict(rank=rank, delay=delays[rank]))
+
+
+@pytest.mark.ray
+def test_engine_group_restores_prompt_order_and_reports_each_engine(ray_local):
+    from actors.engine_group import EngineGroup
+
+    gen = EngineGroup(_group(ray_local, 3, delays=[0.0, 0.6, 0.0]))
+    gen.generate([[1]] * 3, SamplingSpec(n=1, max_new_tokens=1))  # the actors have started
+    out = gen.generate([[1]] * 7, SamplingSpec(n=2, max_new_tokens=2, seed=0))
+    # prompt i's samples are out[2i], out[2i+1], carry the step-wide index i and come from one engine
+    assert [c.token_ids for c in out] == [[i, k] for i in range(7) for k in range(2)]
+    assert [c.text for c in out[::2]] == ["0", "0", "0", "1", "1", "2", "2"]  # shards 3, 2, 2
+    m = gen.last_metrics()
+    assert [m[f"gen/engine{e}_tokens"] for e in range(3)] == [12.0, 8.0, 8.0]
+    assert m["gen/engine1_s"] >= 0.6 > m["gen/engine0_s"]
+    assert m["gen/engine_time_ratio"] > 2
+    # fewer prompts than engines: the idle engine is not called and not reported
+    assert [c.text for c in gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))] == ["0", "1"]
+    assert "gen/engine2_s" not in gen.last_metrics()
+    gen.shutdown()
+
+
+@pytest.mark.ray
+def test_a_dead_actor_fails_fast_with_its_name_and_phase(ray_local):
+    """Actor 1 dies while actor 0 is blocked forever (as a rank in a collective whose peer died):
+    the wait ends at once and names actor 1, instead of waiting on actor 0."""
+    from actors.actor_group import ActorFailure, gather
+
+    group = _group(ray_local, 2)
+    start = time.time()
+    with pytest.raises(ActorFailure, match=r"^engine 1 died during generate: ") as err:
+        gather([group.actors[0].stall.remote(), group.actors[1].crash.remote()], group.labels(), "generate")
+    assert time.time() - start < 30
+    assert "\n" not in str(err.value)
+    group.shutdown(timeout_s=1)  # actor 0 is still stalled: shutdown must not wait for it
+
+
+@pytest.mark.ray
+def test_an_actor_that_raises_is_named_with_the_error(ray_local):
+    from actors.actor_group import ActorFailure
+
+    group = _group(ray_local, 2)
+    with pytest.raises(ActorFailure, match=r"^engine 0 failed during fail: ValueError: bad bucket"):
+        group.call("fail")
+    group.shutdown()
