@@ -166,7 +166,7 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
         ),
     )
-    return EngineGroup(group)
+    return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0)
 
 
 def _placement_group(cfg: RunConfig, layout: Layout) -> Any:

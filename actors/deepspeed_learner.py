@@ -68,12 +68,13 @@ class DeepSpeedLearner(LearnerRank):
             raise ValueError("learner.offload_params needs learner.zero_stage=3: ZeRO-2 keeps the full "
                              "parameters on every rank (learner.offload_optimizer works with both stages)")
         super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         learner_cfg=learner_cfg, temperature=temperature, seed=seed)
+                         learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
+                         compute_dtype=model_cfg.dtype)
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.zero_stage = learner_cfg.zero_stage
         config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
 
-        model = load_hf_model(model_path, gradient_checkpointing=model_cfg.gradient_checkpointing)
+        model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing)
         if learner_cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 

@@ -11,6 +11,9 @@ Choices:
    because CPU tensors have no allocator of their own to ask; they read 0.0 where /proc is absent.
 3. On CPU the learner ranks of a host share its cores (`share_host_threads`); on GPU the thread
    count is left as the launcher set it.
+4. `peak_flops(dtype)`: the dense matrix peak of the device (the denominator of MFU), from the
+   vendors' data sheets by device name (`PEAK_TFLOPS`); None where unknown (CPUs, other GPUs),
+   and then no MFU is reported rather than a guess.
 """
 
 from __future__ import annotations
@@ -22,6 +25,26 @@ from typing import Literal, Protocol
 import torch
 
 _GIB = 2**30
+
+# Dense (no sparsity) tensor-core peaks in TFLOP/s: bf16, and fp32 as TF32 where the vendor lists it.
+# Matched by substring of torch.cuda.get_device_name(), in this order (H100 PCIe before H100 SXM).
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bfloat16": 756.0, "float32": 378.0}),
+    ("H100", {"bfloat16": 989.0, "float32": 494.0}),  # SXM / HBM3
+    ("H200", {"bfloat16": 989.0, "float32": 494.0}),
+    ("MI300X", {"bfloat16": 1307.0, "float32": 653.7}),
+    ("MI250X", {"bfloat16": 383.0, "float32": 95.7}),
+    ("MI250", {"bfloat16": 362.1, "float32": 90.5}),
+    ("A100", {"bfloat16": 312.0, "float32": 156.0}),
+)
+
+
+def peak_tflops_for(device_name: str, dtype: str) -> float | None:
+    """The table's peak for a device name and a compute dtype ("bfloat16", "float32"), or None."""
+    for key, peaks in PEAK_TFLOPS:
+        if key in device_name:
+            return peaks.get(dtype)
+    return None
 
 
 class Device(Protocol):
@@ -56,6 +79,10 @@ class Device(Protocol):
         """Size this process's intra-op thread pool for `processes` busy processes on the host."""
         ...
 
+    def peak_flops(self, dtype: str) -> float | None:
+        """Dense matrix peak in FLOP/s for compute in `dtype` (choice 4); None where unknown."""
+        ...
+
 
 @dataclass(frozen=True)
 class CudaDevice:
@@ -87,6 +114,10 @@ class CudaDevice:
 
     def share_host_threads(self, processes: int) -> None:
         pass  # the GPU does the work; keep the launcher's thread count
+
+    def peak_flops(self, dtype: str) -> float | None:
+        tflops = peak_tflops_for(torch.cuda.get_device_name(), dtype)
+        return None if tflops is None else tflops * 1e12
 
 
 def _proc_status_kib(field: str) -> int:
@@ -140,6 +171,9 @@ class CpuDevice:
         # unless RLHF_CPU_THREADS fixes the count (benchmarks with an equal thread budget per side).
         fixed = os.environ.get("RLHF_CPU_THREADS")
         torch.set_num_threads(int(fixed) if fixed else max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
+
+    def peak_flops(self, dtype: str) -> float | None:
+        return None  # CPU peaks depend on the ISA, the core count and the clock: no table
 
 
 def detect() -> Device:

@@ -24,9 +24,11 @@ from rlhf.types import Completion, SamplingSpec
 class EngineGroup:
     """`rlhf.protocols.Generator` over the engine actors of an ActorGroup (named "engine")."""
 
-    def __init__(self, group: ActorGroup) -> None:
+    def __init__(self, group: ActorGroup, gpus_per_engine: int = 0) -> None:
+        """`gpus_per_engine`: the engines' tensor-parallel width on GPUs, 0 on CPU (no per-GPU rate)."""
         self.group = group
         self.engines = group.actors
+        self.gpus = gpus_per_engine * len(self.engines)
         self._metrics: dict[str, float] = {}
 
     def __len__(self) -> int:
@@ -40,6 +42,9 @@ class EngineGroup:
         parts, seconds = gather_timed(refs, [f"engine {e}" for e in busy], "generate")
         self._metrics = engine_metrics({e: (sum(len(c.token_ids) for c in part), s)
                                         for e, part, s in zip(busy, parts, seconds)})
+        if self.gpus and seconds:  # every generating GPU, the idle ones of a short call included
+            tokens = sum(len(c.token_ids) for part in parts for c in part)
+            self._metrics["throughput/gen_tokens_per_s_per_gpu"] = tokens / max(max(seconds), 1e-9) / self.gpus
         return [c for part in parts for c in part]
 
     def last_metrics(self) -> dict[str, float]:

@@ -50,7 +50,8 @@ class FSDP2Learner(LearnerRank):
         seed: int,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         learner_cfg=learner_cfg, temperature=temperature, seed=seed)
+                         learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
+                         compute_dtype=model_cfg.dtype)
         self.model = self._build(model_path, model_cfg, trainable=True)
         self.reference = self._build(model_path, model_cfg, trainable=False) if with_reference else None
         # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
@@ -62,7 +63,7 @@ class FSDP2Learner(LearnerRank):
         self.scheduler = make_scheduler(self.optimizer, learner_cfg.warmup_steps)
 
     def _build(self, model_path: str, model_cfg: ModelConfig, *, trainable: bool) -> torch.nn.Module:
-        model = load_hf_model(model_path, gradient_checkpointing=trainable and model_cfg.gradient_checkpointing)
+        model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing)
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)

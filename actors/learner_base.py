@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from actors.device import detect as detect_device
 from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig
+from rlhf.flops import train_flops
 from rlhf.logprobs import (
     pack_sequences,
     packed_token_logprobs,
@@ -59,10 +61,15 @@ class LearnerRank:
     reference: torch.nn.Module | None
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
-                 learner_cfg: LearnerConfig, temperature: float, seed: int) -> None:
+                 learner_cfg: LearnerConfig, temperature: float, seed: int, model_path: str, compute_dtype: str
+                 ) -> None:
+        from transformers import AutoConfig
+
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
         self.device = detect_device()
+        self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
+        self.peak_flops = self.device.peak_flops(compute_dtype)
         self._transports: dict[str, object] = {}
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
@@ -121,9 +128,10 @@ class LearnerRank:
         out = out.masked_scatter(mb.attention_mask.to(dev), flat)  # row-major order = packing order
         return out.masked_fill(~mask.bool(), 0.0)
 
-    def _aligned_micro_batches(self, batch: Batch) -> tuple[list[Batch], int]:
-        """This rank's micro-batches and the count every rank must run (the max over ranks)."""
-        mbs = micro_batches(batch, self.cfg.micro_batch_size) if len(batch) else []
+    def _aligned_micro_batches(self, batch: Batch) -> tuple[list[tuple[torch.Tensor, Batch]], int]:
+        """This rank's (item indices, micro-batch) pairs and the count every rank must run (the max
+        over ranks): fixed-size micro-batches, or token-budget ones (`learner.max_tokens_per_micro_batch`)."""
+        mbs = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.max_tokens_per_micro_batch) if len(batch) else []
         count = torch.tensor([len(mbs)], device=self._dev)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return mbs, int(count)
@@ -138,15 +146,11 @@ class LearnerRank:
         model.eval()
         mbs, count = self._aligned_micro_batches(batch)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        row = 0
         for i in range(count):
-            mb = mbs[i] if i < len(mbs) else batch.dummy()
+            items, mb = mbs[i] if i < len(mbs) else (None, batch.dummy())
             lp = self._forward_logprobs(model, mb).cpu()
-            if i < len(mbs):
-                # A micro-batch of a PreferenceBatch holds its chosen rows then its rejected rows.
-                rows = _batch_rows(batch, mb, row)
-                out[rows, : lp.shape[1]] = lp
-                row += len(mb)
+            if items is not None:
+                out[_item_rows(batch, items), : lp.shape[1]] = lp
         model.train(was_training)
         return out
 
@@ -155,14 +159,16 @@ class LearnerRank:
         objective's contract (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
-        units = torch.tensor([float(sum(objective.num_units(mb) for mb in mbs))], dtype=torch.float64,
+        self.device.synchronize()
+        start = time.perf_counter()
+        units = torch.tensor([float(sum(objective.num_units(mb) for _, mb in mbs))], dtype=torch.float64,
                              device=self._dev)
         dist.all_reduce(units)
         denominator = max(float(units), 1.0)
         sums: dict[str, float] = {}
         for i in range(count):
             real = i < len(mbs)
-            mb = mbs[i] if real else batch.dummy()
+            mb = mbs[i][1] if real else batch.dummy()
             lp = self._forward_logprobs(self.model, mb)
             loss, metrics = objective(lp, mb, denominator)
             if not real:
@@ -171,8 +177,26 @@ class LearnerRank:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
         grad_norm = self._optimizer_step()
+        self.device.synchronize()
+        seconds = time.perf_counter() - start
+        flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
-        return self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
+        metrics = self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
+        metrics.values.update(self._perf(flops, seconds))
+        return metrics
+
+    def _perf(self, flops: float, seconds: float) -> dict[str, float]:
+        """Model FLOP/s of the step per device (`perf/tflops_per_device`) and, where the device's
+        peak is known, `perf/mfu`: the ranks' model FLOPs over (slowest rank's seconds x ranks x peak)."""
+        total = torch.tensor([flops], dtype=torch.float64, device=self._dev)
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=self._dev)
+        dist.all_reduce(total)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        per_device = float(total) / max(float(slowest), 1e-9) / self.world_size
+        out = {"perf/tflops_per_device": per_device / 1e12}
+        if self.peak_flops:
+            out["perf/mfu"] = per_device / self.peak_flops
+        return out
 
     def _reduce(self, sums: dict[str, float], *, grad_norm: float, num_tokens: int) -> StepMetrics:
         """All-reduce the metric sums and apply the objective's reduction. The key set is the
@@ -249,12 +273,10 @@ def first_scored_column(loss_mask: torch.Tensor) -> int:
     return max(1, int(cols[0])) if cols.numel() else 1
 
 
-def _batch_rows(batch: Batch, mb: Batch, start: int) -> torch.Tensor | slice:
-    """Rows of `batch` that micro-batch `mb` (items start..start+len(mb)) occupies."""
-    if batch.rows_per_item == 1:
-        return slice(start, start + len(mb))
-    items = torch.arange(start, start + len(mb))
-    return torch.cat([items, items + len(batch)])
+def _item_rows(batch: Batch, items: torch.Tensor) -> torch.Tensor:
+    """Rows of `batch` that its items occupy, in micro-batch row order (a PreferenceBatch's
+    micro-batch holds its chosen rows, then its rejected rows)."""
+    return items if batch.rows_per_item == 1 else torch.cat([items, items + len(batch)])
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

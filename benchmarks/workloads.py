@@ -16,7 +16,7 @@ Choices for the TRL side (each keeps the work identical to ours; see benchmarks/
 1. fp32 master weights with bf16 autocast (`model_init_kwargs.dtype=float32`, `bf16=True`), as our
    learners (fp32 parameters, bf16 compute). Loading the bf16 checkpoint as is would make TRL train
    bf16 parameters, where AdamW steps of lr 2e-5 round away.
-2. No gradient checkpointing (TRL's default is on; ours is off unless `model.gradient_checkpointing`).
+2. No gradient checkpointing (TRL's default is on; ours is off unless `learner.gradient_checkpointing`).
 3. Constant learning rate (TRL's default schedule decays linearly to 0 over `max_steps`).
 4. No vLLM importance-sampling correction: it costs TRL an extra forward pass per step that our
    on-policy loop does not make (ours only measures the mismatch from the sampler's log-probs).
@@ -212,7 +212,7 @@ def _common_trl_kwargs(cfg: RunConfig, *, output_dir: str, use_cpu: bool) -> dic
         max_grad_norm=lrn.max_grad_norm, warmup_steps=lrn.warmup_steps,
         lr_scheduler_type="constant_with_warmup" if lrn.warmup_steps else "constant",
         bf16=cfg.model.dtype == "bfloat16", model_init_kwargs={"dtype": "float32"},
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing=cfg.learner.gradient_checkpointing,
         logging_steps=1, save_strategy="no", report_to="none", dataloader_num_workers=0, disable_tqdm=True,
     )
 

@@ -77,12 +77,36 @@ def shard_for_rank(batch: Batch, rank: int, world_size: int) -> Batch:
     return batch.select(slice(part.start, part.stop))
 
 
-def micro_batches(batch: Batch, size: int) -> list[Batch]:
-    """Split into micro-batches of at most `size` sequences (a preference pair counts as two and is
-    never split), each trimmed to its own longest sequence (right padding beyond it is dead compute)."""
-    per = max(1, size // batch.rows_per_item)
+def micro_batch_items(batch: Batch, size: int, max_tokens: int = 0) -> list[torch.Tensor]:
+    """Item indices (rows, or pairs of rows) of each micro-batch of `batch`.
+
+    Fixed (`max_tokens` = 0): consecutive runs of `size` sequences, a preference pair counting two.
+    Token budget (`max_tokens` > 0): items sorted by length, longest first, and binned greedily
+    while (rows in the bin) x (its longest row) <= max_tokens, i.e. the micro-batch's padded size;
+    an item longer than the budget goes alone. Similar lengths share a micro-batch, so little of it
+    is padding, and short rows go many to a pass. The loss is normalised by the whole step's
+    denominator (rlhf.objectives), so how items are grouped never changes the gradient.
+    """
+    count, per_item = len(batch), batch.rows_per_item
+    if not max_tokens:
+        per = max(1, size // per_item)
+        return [torch.arange(start, min(start + per, count)) for start in range(0, count, per)]
+    lengths = batch.attention_mask.sum(dim=1).view(per_item, count).amax(dim=0)  # an item's longest row
+    bins: list[list[int]] = []
+    longest = 0
+    for item in torch.argsort(lengths, descending=True, stable=True).tolist():
+        if not bins or (len(bins[-1]) + 1) * per_item * longest > max_tokens:
+            bins.append([])
+            longest = int(lengths[item])
+        bins[-1].append(item)
+    return [torch.tensor(sorted(b)) for b in bins]
+
+
+def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, Batch]]:
+    """(item indices, micro-batch) pairs per `micro_batch_items`, each micro-batch trimmed to its own
+    longest sequence (right padding beyond it is dead compute)."""
     out = []
-    for start in range(0, len(batch), per):
-        mb = batch.select(slice(start, start + per))
-        out.append(mb.trim(int(mb.attention_mask.sum(dim=1).max())))
+    for items in micro_batch_items(batch, size, max_tokens):
+        mb = batch.select(items)
+        out.append((items, mb.trim(int(mb.attention_mask.sum(dim=1).max()))))
     return out

