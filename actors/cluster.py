@@ -242,6 +242,6 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
         generator=generator,
         learners=learners,
         weight_sync=WeightSyncer(learners, targets, transport),
-        rewards=RayRewardScorer(cfg.reward),
+        rewards=RayRewardScorer(cfg.reward, model_path),
         pg=pg,
     )

@@ -74,7 +74,8 @@ class DeepSpeedLearner(LearnerRank):
         self.zero_stage = learner_cfg.zero_stage
         config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
 
-        model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing)
+        model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing,
+                              fused_head=learner_cfg.fused_head)
         if learner_cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -91,7 +92,7 @@ class DeepSpeedLearner(LearnerRank):
 
     def _reference(self, model_path: str, train_cfg: dict[str, Any]) -> torch.nn.Module:
         """The frozen reference as a ZeRO-3 inference engine: parameters sharded, no optimizer."""
-        model = load_hf_model(model_path, gradient_checkpointing=False)
+        model = load_hf_model(model_path, gradient_checkpointing=False, fused_head=self.cfg.fused_head)
         model.requires_grad_(False)
         zero: dict[str, Any] = {"stage": 3}
         if "offload_param" in train_cfg["zero_optimization"]:

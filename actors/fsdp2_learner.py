@@ -63,7 +63,8 @@ class FSDP2Learner(LearnerRank):
         self.scheduler = make_scheduler(self.optimizer, learner_cfg.warmup_steps)
 
     def _build(self, model_path: str, model_cfg: ModelConfig, *, trainable: bool) -> torch.nn.Module:
-        model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing)
+        model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing,
+                              fused_head=self.cfg.fused_head)
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)

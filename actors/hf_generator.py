@@ -1,8 +1,9 @@
 """HFGenerator: `transformers.generate` behind the Generator contract (`generation.backend: hf`).
 
 The dependency-free reference backend: slow, but it needs nothing beyond transformers, runs on CPU,
-and gives the same Completion (token ids, sampled-token log-probs, text, finish reason) as
-VLLMGenerator, so the loop and the weight syncs can be tested without an inference engine.
+and gives the same Completion as VLLMGenerator (token ids, sampled-token log-probs, finish reason; no
+text: the reward scorer decodes both backends' ids the same way), so the loop and the weight syncs can
+be tested without an inference engine.
 
 Choices:
 1. Prompts are left-padded into one batch and repeated `n` times (`repeat_interleave`), so
@@ -50,15 +51,15 @@ class HFGenerator:
         self.device = detect()
         self.seed = seed
         self._calls = 0
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         # Stop on what vLLM stops on: the tokenizer's EOS plus generation_config's EOS list.
-        if self.tokenizer.eos_token_id is not None:
-            eos.append(self.tokenizer.eos_token_id)
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
         self.eos_ids = sorted(set(eos))
-        pad = self.tokenizer.pad_token_id
+        pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
         model.generation_config = HFGenerationConfig()  # choice 2
         self.model = model.to(self.device.torch_device(0)).eval()
@@ -106,7 +107,6 @@ class HFGenerator:
         end = len(tokens) if stop is None else stop + 1
         tokens = tokens[:end]
         return Completion(token_ids=tokens, logprobs=logprobs[:end],
-                          text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                           finish_reason="length" if stop is None else "stop")
 
     # ------------------------------------------------------------------ weights and memory

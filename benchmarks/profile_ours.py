@@ -61,6 +61,7 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
     from rewards.api import combine
     from rlhf.advantages import grpo_advantages
     from rlhf.batching import rollouts_to_batch
+    from rlhf.evaluate import decode_completions
     from rlhf.objectives import GRPOObjective
     from rlhf.types import RolloutBatch, SamplingSpec
 
@@ -82,9 +83,10 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
                 record["traces"].append(prof.stop())
             rollouts = RolloutBatch(rows=rows, prompt_ids=ids, completions=completions, group_size=cfg.grpo.group_size)
             group = cfg.grpo.group_size
+            texts = decode_completions(tokenizer, [c.token_ids for c in completions])
             rollouts.rewards = torch.tensor([
-                scorer(rows[i // group].user_text(), c.text, **rows[i // group].reward_kwargs())
-                for i, c in enumerate(completions)], dtype=torch.float32)
+                scorer(rows[i // group].user_text(), text, **rows[i // group].reward_kwargs())
+                for i, text in enumerate(texts)], dtype=torch.float32)
             adv = grpo_advantages(rollouts.rewards, group, scale_by_std=cfg.grpo.scale_by_std)
             batches.append(rollouts_to_batch(rollouts, adv, tokenizer.pad_token_id))
     finally:

@@ -254,6 +254,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
     p.add_argument("--side-timeout", type=float, default=3600, help="seconds before a layout's run is stopped")
     p.add_argument("--note", action="append", default=[], help="free text stored with the result (e.g. load)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of our recipe for every layout (repeatable), e.g. learner.fused_head=false")
     return p.parse_args(argv)
 
 
@@ -312,6 +314,8 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         w = replace(w, steps=args.steps)
     if args.model:
         w = replace(w, model=args.model)
+    if args.set:
+        w = replace(w, extra=(*w.extra, *args.set))
     return w
 
 

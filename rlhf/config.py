@@ -84,8 +84,9 @@ class GenerationConfig:
     """Tokens an engine schedules per step (vLLM's `max_num_batched_tokens`; 0: vLLM's default)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of prompt prefixes already computed (a group's prompt, a shared system prompt)."""
-    async_scheduling: bool = False
-    """vLLM's asynchronous scheduling: the next step is scheduled while the GPU runs this one."""
+    async_scheduling: bool | None = None
+    """vLLM's asynchronous scheduling (the next step is scheduled while the GPU runs this one);
+    None: vLLM's own choice (on for our in-process GPU engine, always off on CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +183,10 @@ class LearnerConfig:
     Same gradients as fixed micro-batches; less padding and fewer passes when lengths vary."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward. Off by default: large-memory GPUs buy batch size with memory."""
+    fused_head: bool = True
+    """LM head and log-softmax fused, chunk by chunk in forward and backward: [tokens x vocab] logits
+    never exist (rlhf.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
+    Applies to padded micro-batches (not with share_prompts or pack_sequences)."""
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids.
     Pays off with varlen attention (flash-attention on GPU); under SDPA the block mask is dense."""

@@ -59,7 +59,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         with timer("reward"):
             rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
                 [rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
-                [c.text for c in rollouts.completions],
+                [c.token_ids for c in rollouts.completions],  # the scorer decodes them, in one batch
             )
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)

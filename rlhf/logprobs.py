@@ -20,11 +20,18 @@ Choices:
    a mask that lets a completion see the prompt and itself only, with positions restarting after
    the prompt. Every log-prob is the one the separate rows give (up to float order); the prompt's
    forward and backward run once per group instead of once per completion.
+7. `head_logprobs` fuses the LM head with the log-softmax: log p(target) from the hidden states
+   and the head's weight, chunk by chunk in forward *and* backward (the backward recomputes a
+   chunk's logits from the saved hidden states and the log-sum-exp), so neither [tokens x vocab]
+   logits nor their fp32 copy ever exist; the extra cost is one more head matmul per chunk.
+   `LogprobHead` puts it in a model's place of `lm_head`, so sharding wrappers (FSDP2, ZeRO-3)
+   see the weight where they expect it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +53,7 @@ def _next_token_stats(
     # Flatten without copying (a slice logits[:, :-1] would force a copy in reshape); the last
     # position of each row is computed and discarded by the caller.
     flat = logits.reshape(B * T, V)
-    # Target of position t is token t+1; the last position gets a dummy target 0.
-    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, 1)], dim=1).reshape(B * T)
+    targets = next_token_targets(input_ids).reshape(B * T)
     return _row_stats(flat, targets, temperature, chunk_tokens, entropy).view(B, T)
 
 
@@ -69,7 +75,91 @@ def _row_stats(flat: torch.Tensor, targets: torch.Tensor, temperature: float, ch
     return torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)
 
 
-def _align(stat_next: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] the token each position predicts (ids shifted left; the last position gets a dummy 0)."""
+    return torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log p(targets) under softmax(hidden @ weight.T / temperature), chunk by chunk (choice 7)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk: int) -> torch.Tensor:
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, hidden.shape[0], chunk):
+            z = (hidden[s:s + chunk] @ weight.T).float() / temperature
+            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
+            out[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for s in range(0, hidden.shape[0], chunk):
+            h, g = hidden[s:s + chunk], grad_out[s:s + chunk]
+            # d log p(y) / d z = onehot(y) - softmax(z), with z = logits / t
+            dz = -torch.exp((h @ weight.T).float() / t - lse[s:s + chunk, None]) * g[:, None]
+            dz.scatter_add_(-1, targets[s:s + chunk, None], g[:, None])
+            dlogits = (dz / t).to(hidden.dtype)
+            grad_hidden[s:s + chunk] = dlogits @ weight
+            grad_weight += (dlogits.T @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """[..., ] fp32 log p(targets) of the LM head `weight` [V, d] applied to `hidden` [..., d]
+    (choice 7): equal to log_softmax(hidden @ weight.T / temperature).gather(targets), without
+    ever holding more than `chunk_tokens` rows of logits, forward or backward."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    flat = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature,
+                               chunk_tokens)
+    return flat.view(targets.shape)
+
+
+class LogprobHead(torch.nn.Module):
+    """An LM head that, once given `targets`, returns their log-probs instead of the logits.
+
+    It takes the place of a model's `lm_head` (keeping its weight Parameter, so a tied embedding
+    stays tied) before the model is sharded. With `targets` None it is the plain linear head; set
+    `targets` ([B, T'] for the T' positions the model keeps, e.g. `next_token_targets`) around a
+    forward pass (`with head.scoring(targets, temperature):`) and the model's "logits" come back
+    as [B, T'] next-token log-probs (choice 7).
+    """
+
+    def __init__(self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        super().__init__()
+        if head.bias is not None:
+            raise ValueError("LogprobHead: LM heads with a bias are not supported")
+        self.weight = head.weight
+        self.chunk_tokens = chunk_tokens
+        self.targets: torch.Tensor | None = None
+        self.temperature = 1.0
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight)
+        return head_logprobs(hidden, self.weight, self.targets, temperature=self.temperature,
+                             chunk_tokens=self.chunk_tokens)
+
+    @contextmanager
+    def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+        self.targets, self.temperature = targets, temperature
+        try:
+            yield
+        finally:
+            self.targets = None
+
+
+def align_next_token(stat_next: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Move next-token statistics onto the token they score (shift right, 0 at t=0); mask."""
     out = torch.nn.functional.pad(stat_next[:, :-1], (1, 0))
     if mask is not None:
@@ -101,7 +191,7 @@ def token_logprobs(
     Returns:
         [B, T] float32 log-probs (differentiable w.r.t. logits).
     """
-    return _align(_next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False), mask)
+    return align_next_token(_next_token_stats(logits, input_ids, temperature, chunk_tokens, entropy=False), mask)
 
 
 def entropy_from_logits(
@@ -120,7 +210,7 @@ def entropy_from_logits(
     Args: logits [B, T, V]; mask optional [B, T]. Returns [B, T] float32 (nats).
     """
     dummy_ids = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
-    return _align(_next_token_stats(logits, dummy_ids, temperature, chunk_tokens, entropy=True), mask)
+    return align_next_token(_next_token_stats(logits, dummy_ids, temperature, chunk_tokens, entropy=True), mask)
 
 
 def sequence_logprobs(token_lp: torch.Tensor, mask: torch.Tensor, *, average: bool = False) -> torch.Tensor:

@@ -77,11 +77,17 @@ class WeightSync(Protocol):
 
 
 class RewardScorer(Protocol):
-    """Scores completions with the configured reward functions (off the learners)."""
+    """Scores completions with the configured reward functions (off the learners).
 
-    def score(self, rows: Sequence[PromptRow], completions: Sequence[str]) -> tuple[torch.Tensor, dict[str, float]]:
-        """rows[i] is the prompt row of completions[i]. Returns rewards [N] and metrics
-        (per-function means, failures, timeouts)."""
+    Completions arrive as token ids and become text here, the only place that needs it: one
+    batched `rlhf.evaluate.decode_completions` per call, so every generator backend hands the
+    reward functions the same strings."""
+
+    def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+        """rows[i] is the prompt row of completion i, token_ids[i] its generated ids
+        (`Completion.token_ids`). Returns rewards [N] and metrics (per-function means, failures,
+        timeouts)."""
         ...
 
 

@@ -66,16 +66,18 @@ class SamplingSpec:
 
 @dataclass
 class Completion:
-    """One sampled completion.
+    """One sampled completion, as token ids only: generators never decode (vLLM skips its
+    incremental detokenizer); the reward scorer decodes a step's completions once, in one batch
+    (`rlhf.evaluate.decode_completions`), where text is needed.
 
     token_ids: the generated token ids, EOS included when the model stopped on it.
     logprobs:  the sampler's log-prob of each generated token (same length as token_ids);
                compared with the learner's to measure train/inference mismatch.
+    finish_reason: "stop" (EOS) or "length" (max_new_tokens reached).
     """
 
     token_ids: list[int]
     logprobs: list[float]
-    text: str
     finish_reason: str
 
 

@@ -72,8 +72,8 @@ def prepare(cfg, model: str):
 
     from rlhf.evaluate import PoolScorer, load_eval_set
 
-    eval_set = load_eval_set(cfg, AutoTokenizer.from_pretrained(model))
-    return eval_set, PoolScorer.correctness(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return load_eval_set(cfg, tokenizer), PoolScorer.correctness(cfg, tokenizer)
 
 
 def run(cfg, model: str, eval_set, scorer, *, out: Path, config_path: str) -> None:
@@ -95,7 +95,7 @@ def run(cfg, model: str, eval_set, scorer, *, out: Path, config_path: str) -> No
     finally:
         scorer.close()
     path = write_report(out / "eval_report.json", report(
-        result, model=model, config=config_path, correctness=correctness_spec(cfg),
+        result, scorer.tokenizer, model=model, config=config_path, correctness=correctness_spec(cfg),
         eval=config_to_dict(cfg.eval), data=config_to_dict(cfg.data),
         seconds=round(time.perf_counter() - start, 1),
     ))

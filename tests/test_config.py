@@ -32,7 +32,7 @@ ALLOWED_KEYS = {
     "learner.backend", "learner.num_ranks", "learner.zero_stage", "learner.offload_optimizer",
     "learner.offload_params", "learner.lr", "learner.weight_decay", "learner.betas", "learner.warmup_steps",
     "learner.max_grad_norm", "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
-    "learner.gradient_checkpointing",
+    "learner.gradient_checkpointing", "learner.fused_head",
     "learner.pack_sequences", "learner.share_prompts", "learner.deepspeed_config",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",

@@ -162,14 +162,15 @@ def test_engine_metrics():
 
 
 class FakeEngine:
-    """Answers each prompt with n completions that spell out (engine, global prompt index, k)."""
+    """Answers each prompt with n completions that spell out (global prompt index, k) in their tokens
+    and the engine in their log-probs."""
 
     def __init__(self, rank: int, delay: float = 0.0) -> None:
         self.rank, self.delay = rank, delay
 
     def generate(self, prompt_ids, sampling, first_index=0):
         time.sleep(self.delay)
-        return [Completion(token_ids=[first_index + i, k], logprobs=[0.0, 0.0], text=f"{self.rank}",
+        return [Completion(token_ids=[first_index + i, k], logprobs=[float(self.rank)] * 2,
                            finish_reason="stop") for i, _ in enumerate(prompt_ids) for k in range(sampling.n)]
 
     def stall(self):
@@ -220,13 +221,13 @@ def test_engine_group_restores_prompt_order_and_reports_each_engine(ray_local):
     out = gen.generate([[1]] * 7, SamplingSpec(n=2, max_new_tokens=2, seed=0))
     # prompt i's samples are out[2i], out[2i+1], carry the step-wide index i and come from one engine
     assert [c.token_ids for c in out] == [[i, k] for i in range(7) for k in range(2)]
-    assert [c.text for c in out[::2]] == ["0", "0", "0", "1", "1", "2", "2"]  # shards 3, 2, 2
+    assert [c.logprobs[0] for c in out[::2]] == [0, 0, 0, 1, 1, 2, 2]  # engines' shards 3, 2, 2
     m = gen.last_metrics()
     assert [m[f"gen/engine{e}_tokens"] for e in range(3)] == [12.0, 8.0, 8.0]
     assert m["gen/engine1_s"] >= 0.6 > m["gen/engine0_s"]
     assert m["gen/engine_time_ratio"] > 2
     # fewer prompts than engines: the idle engine is not called and not reported
-    assert [c.text for c in gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))] == ["0", "1"]
+    assert [c.logprobs[0] for c in gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))] == [0, 1]
     assert "gen/engine2_s" not in gen.last_metrics()
     assert "throughput/gen_tokens_per_s_per_gpu" not in gen.last_metrics()  # CPU engines: no GPUs
     gen.shutdown()
@@ -265,6 +266,6 @@ def test_an_actor_that_raises_is_named_with_the_error(ray_local):
     from actors.actor_group import ActorFailure
 
     group = _group(ray_local, 2)
-    with pytest.raises(ActorFailure, match=r"^engine 0 failed during fail: ValueError: bad bucket"):
+    with pytest.raises(ActorFailure, match=r"^engine [01] failed during fail: ValueError: bad bucket"):
         group.call("fail")
     group.shutdown()

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,6 +21,7 @@ from rlhf.data import PromptStream, load_prompts, tokenize_prompts
 from rlhf.evaluate import (EvalSet, PoolScorer, correctness_spec, eval_sampling, evaluate, format_table,
                            load_eval_set, pass_at_k, report, task_label)
 from rlhf.metrics import read_metrics
+from rlhf.models import build_tokenizer
 from rlhf.types import Completion, PromptRow, SamplingSpec, StepMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,18 +69,30 @@ def test_task_label_and_correctness_checker():
 # evaluate() on a fixed set of generations
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    """`text` as a generator would sample it: its tokens, then EOS (a special token the decode drops)."""
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
 @dataclass
 class CannedGenerator:
-    """A Generator that answers prompt i with texts[i] (n of them per prompt), recording each call."""
+    """A Generator that answers prompt i with the tokens of texts[i] (n of them per prompt),
+    recording each call."""
 
     texts: list[list[str]]
+    tokenizer: Any
     calls: list[SamplingSpec] = field(default_factory=list)
 
     def generate(self, prompt_ids, sampling):
         self.calls.append(sampling)
         assert len(prompt_ids) == len(self.texts) and all(len(t) == sampling.n for t in self.texts)
-        return [Completion(token_ids=[7] * len(t), logprobs=[-0.5] * len(t), text=t, finish_reason="stop")
-                for texts in self.texts for t in texts]
+        ids = [_ids(self.tokenizer, t) for texts in self.texts for t in texts]
+        return [Completion(token_ids=i, logprobs=[-0.5] * len(i), finish_reason="stop") for i in ids]
 
     def sleep(self):
         pass
@@ -96,14 +110,15 @@ TEXTS = [["5", "It is 5.", "4", "6", "seven"],     # 2 of 5 correct
 
 
 @pytest.fixture
-def scorer():
-    s = PoolScorer([RewardFnConfig(function="rewards.answers:exact_answer")], timeout_s=5, num_workers=0)
+def scorer(tokenizer):
+    s = PoolScorer([RewardFnConfig(function="rewards.answers:exact_answer")], tokenizer=tokenizer,
+                   timeout_s=5, num_workers=0)
     yield s
     s.close()
 
 
-def test_evaluate_counts_correct_samples_and_averages_pass_at_k(scorer):
-    gen = CannedGenerator(TEXTS)
+def test_evaluate_counts_correct_samples_and_averages_pass_at_k(scorer, tokenizer):
+    gen = CannedGenerator(TEXTS, tokenizer)
     sampling = SamplingSpec(n=5, max_new_tokens=8, temperature=1.0, seed=3)
     result = evaluate(gen, scorer, EvalSet("sums", ROWS, [[1], [2], [3]]), sampling, ks=(1, 2, 3))
     assert gen.calls == [sampling]
@@ -113,17 +128,17 @@ def test_evaluate_counts_correct_samples_and_averages_pass_at_k(scorer):
     assert result.pass_at() == pytest.approx(want)
     assert result.breakdown() == {"level": {"1": pytest.approx({1: 0.4, 2: 0.7, 3: 0.9}),
                                             "2": pytest.approx({1: 0.5, 2: 0.5, 3: 0.5})}}
-    mean_len = sum(len(t) for ts in TEXTS for t in ts) / 15
+    mean_len = sum(len(_ids(tokenizer, t)) for ts in TEXTS for t in ts) / 15
     assert result.metrics() == pytest.approx({"eval/sums/pass@1": want[1], "eval/sums/pass@2": want[2],
                                               "eval/sums/pass@3": want[3], "eval/sums/response_len/mean": mean_len})
     with pytest.raises(ValueError, match="k=6 needs at least that many samples"):
         evaluate(gen, scorer, EvalSet("sums", ROWS, [[1], [2], [3]]), sampling, ks=(1, 6))
 
 
-def test_report_holds_every_sample_and_the_table_every_group(scorer, tmp_path):
-    result = evaluate(CannedGenerator(TEXTS), scorer, EvalSet("sums", ROWS, [[1], [2], [3]]),
+def test_report_holds_every_sample_and_the_table_every_group(scorer, tokenizer, tmp_path):
+    result = evaluate(CannedGenerator(TEXTS, tokenizer), scorer, EvalSet("sums", ROWS, [[1], [2], [3]]),
                       SamplingSpec(n=5, max_new_tokens=8), ks=(1, 5))
-    data = json.loads(json.dumps(report(result, model="m")))  # plain JSON all the way down
+    data = json.loads(json.dumps(report(result, tokenizer, model="m")))  # plain JSON all the way down
     assert data["model"] == "m" and data["task"] == "sums" and (data["num_prompts"], data["n"]) == (3, 5)
     assert data["pass@k"] == pytest.approx({"pass@1": 7 / 15, "pass@5": 2 / 3})
     assert data["breakdown"]["level"]["2"] == pytest.approx({"pass@1": 0.5, "pass@5": 0.5})
@@ -136,10 +151,7 @@ def test_report_holds_every_sample_and_the_table_every_group(scorer, tmp_path):
                                                      ["level=2", "2", "0.500", "0.500"]]
 
 
-def test_eval_set_is_a_fixed_prefix_of_the_held_out_split():
-    from rlhf.models import build_tokenizer
-
-    tokenizer = build_tokenizer()
+def test_eval_set_is_a_fixed_prefix_of_the_held_out_split(tokenizer):
     cfg = load_config(None, ["data.task=arithmetic", "data.num_train=32", "data.num_eval=12", "eval.num_prompts=5"])
     eval_set = load_eval_set(cfg, tokenizer)
     held_out = load_prompts(cfg.data, "eval")
@@ -160,14 +172,15 @@ def test_eval_set_is_a_fixed_prefix_of_the_held_out_split():
 class Policy:
     """A fake generator whose weights "learn" the answers: from weight version 2 on it answers right."""
 
-    def __init__(self, answers: dict[tuple[int, ...], str]) -> None:
-        self.answers, self.version, self.eval_calls = answers, 0, []
+    def __init__(self, answers: dict[tuple[int, ...], str], tokenizer: Any) -> None:
+        self.answers, self.tokenizer, self.version, self.eval_calls = answers, tokenizer, 0, []
 
     def generate(self, prompt_ids, sampling):
         if sampling.seed % 1_000_003 == 1_000_002:
             self.eval_calls.append(self.version)
-        text = (lambda ids: self.answers[tuple(ids)]) if self.version >= 2 else (lambda ids: "no idea")
-        return [Completion([5, 6], [-1.0, -1.0], text(ids), "stop") for ids in prompt_ids for _ in range(sampling.n)]
+        texts = [self.answers[tuple(ids)] if self.version >= 2 else "no idea" for ids in prompt_ids]
+        answers = [_ids(self.tokenizer, t) for t in texts]
+        return [Completion(ids, [-1.0] * len(ids), "stop") for ids in answers for _ in range(sampling.n)]
 
     def last_metrics(self):
         return {}
@@ -205,19 +218,17 @@ class FakeCluster:
         pass
 
 
-def test_run_grpo_logs_eval_at_step_0_every_n_steps_and_after_the_last(tmp_path):
+def test_run_grpo_logs_eval_at_step_0_every_n_steps_and_after_the_last(tmp_path, tokenizer):
     from rlhf.grpo import run_grpo
-    from rlhf.models import build_tokenizer
 
-    tokenizer = build_tokenizer()
     cfg = load_config(None, [f"output_dir={tmp_path}", "data.task=arithmetic", "data.num_train=16", "data.num_eval=6",
                              "eval.num_prompts=4", "eval_every=2", "grpo.steps=5", "grpo.prompts_per_step=2",
                              "grpo.group_size=2", "reward.functions=[{function: 'rewards.tasks:arithmetic'}]"])
     train_rows, train_ids, _ = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
     eval_rows, eval_ids, _ = tokenize_prompts(load_prompts(cfg.data, "eval"), tokenizer, cfg.data)
     answers = {tuple(ids): row.answer for row, ids in zip(train_rows + eval_rows, train_ids + eval_ids)}
-    policy = Policy(answers)
-    rewards = PoolScorer(cfg.reward.functions, timeout_s=5, num_workers=0)
+    policy = Policy(answers, tokenizer)
+    rewards = PoolScorer(cfg.reward.functions, tokenizer=tokenizer, timeout_s=5, num_workers=0)
     run_grpo(cfg, FakeCluster(policy, rewards), PromptStream(list(zip(train_rows, train_ids))), tokenizer)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]

@@ -194,3 +194,65 @@ def test_shared_prompts_give_the_rows_log_probs_and_gradients(model_name, reques
     assert got_grads.keys() == want_grads.keys()
     for name in want_grads:
         assert_close(got_grads[name], want_grads[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused LM head + log-softmax (choice 7)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs_equal_log_softmax_values_and_gradients(temperature):
+    from rlhf.logprobs import head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 7), generator=g)
+    upstream = torch.randn(2, 7, generator=g, dtype=torch.float64)
+
+    plain = torch.log_softmax(hidden @ weight.T / temperature, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    (plain * upstream).sum().backward()
+    want = plain.detach(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    fused = head_logprobs(hidden, weight, targets, temperature=temperature, chunk_tokens=3)  # 14 rows, 5 chunks
+    (fused * upstream).sum().backward()
+    assert fused.dtype == torch.float32 and fused.shape == (2, 7)
+    torch.testing.assert_close(fused.double(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden.grad, want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(weight.grad, want[2], atol=1e-5, rtol=1e-5)
+
+
+def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2):
+    """A tiny Qwen2 with LogprobHead in place of lm_head: plain forward passes
+    give the same logits; scoring gives token_logprobs' values and the same gradients."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf.logprobs import LogprobHead, align_next_token, next_token_targets
+
+    ids = torch.randint(3, 200, (3, 11), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[:, :4] = False
+
+    def run(fused: bool):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+        if fused:
+            model.lm_head = LogprobHead(model.lm_head, chunk_tokens=8)
+            tied = model.lm_head.weight is model.model.embed_tokens.weight
+            assert tied == bool(model.config.tie_word_embeddings)  # the head keeps the very Parameter
+            with model.lm_head.scoring(next_token_targets(ids), temperature=0.9):
+                lp = align_next_token(model(input_ids=ids).logits, mask)
+        else:
+            lp = token_logprobs(model(input_ids=ids).logits, ids, mask, temperature=0.9)
+        lp.sum().backward()
+        return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, model
+
+    lp, grads, _ = run(False)
+    fused_lp, fused_grads, model = run(True)
+    torch.testing.assert_close(fused_lp, lp, atol=1e-5, rtol=1e-5)
+    assert fused_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    plain = model(input_ids=ids).logits  # no targets set: the ordinary head again
+    assert plain.shape == (3, 11, model.config.vocab_size)

@@ -6,7 +6,10 @@ One vLLM engine for the whole module (its start dominates: ~20 s on 2 cores). Ch
     proves the grouping: completion j is scored against prompt j // n);
 (c) weight sync in buckets that cut through vLLM's fused layers (q/k/v -> qkv_proj, gate/up ->
     gate_up_proj): checksums, greedy continuations and log-probs all follow the new weights;
-(d) the same contract for HFGenerator.
+(d) the same contract for HFGenerator;
+(e) completions come back as token ids, and the text rewards see is their skip-special-tokens
+    decode, for both backends; on vLLM it equals the engine's own incremental detokenizer's text;
+(f) GenerationConfig's engine settings reach vLLM.
 Run with `-s` to see the measured numbers (engine start, tokens/s, sync seconds, log-prob error).
 """
 
@@ -18,14 +21,17 @@ import time
 import pytest
 import torch
 
-from actors.vllm_generator import expected_checksums
+from actors.vllm_generator import engine_settings, expected_checksums
 from rlhf.config import GenerationConfig
-from rlhf.types import Completion, SamplingSpec
+from rlhf.evaluate import PoolScorer, decode_completions
+from rlhf.types import Completion, PromptRow, SamplingSpec
 
 pytestmark = [pytest.mark.e2e]
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42], [300, 301, 302, 303, 304, 305, 306]]
-GEN_CFG = GenerationConfig(enforce_eager=True)  # CPU: torch.compile only adds start time
+# CPU: torch.compile only adds start time. Batch limits off vLLM's CPU defaults (256, 4096), so that
+# (f) can read them back; 48 sequences also make the engine schedule a large call over several steps.
+GEN_CFG = GenerationConfig(enforce_eager=True, max_num_seqs=48, max_num_batched_tokens=3072)
 
 
 def _greedy(steps: int, n: int = 1) -> SamplingSpec:
@@ -165,7 +171,6 @@ def test_generate_shapes_grouping_and_determinism(generator):
         assert len(c.logprobs) == len(c.token_ids)
         assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
         assert c.finish_reason in ("stop", "length")
-        assert isinstance(c.text, str)
 
     again = generator.generate(PROMPTS, spec)
     assert _tokens(again) == _tokens(out)
@@ -253,6 +258,74 @@ def test_sleep_wake_are_safe_on_cpu(generator):
     generator.sleep()
     generator.wake()
     assert len(generator.generate(PROMPTS[:1], _greedy(4))) == 1
+
+
+# --------------------------------------------------------------------------- (e)
+
+
+def test_rewards_see_the_skip_special_tokens_decode_of_the_ids(generator, tiny_qwen2):
+    """The scorer (what the reward actor hosts) decodes each completion's ids once, dropping special
+    tokens; one extra completion holds a ChatML marker and ends in EOS (rare in random samples)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    seen: list[str] = []
+
+    def record(prompt: str, completion: str, **row: object) -> float:
+        seen.append(completion)
+        return float(len(completion))
+
+    out = generator.generate(PROMPTS, SamplingSpec(n=4, max_new_tokens=24, temperature=1.0, seed=13))
+    ids = [c.token_ids for c in out]
+    marker = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids.append(ids[0][:3] + [marker] + ids[1][:3] + [tokenizer.eos_token_id])
+    scorer = PoolScorer([(record, 1.0)], tokenizer=tokenizer, timeout_s=5, num_workers=0)
+    try:
+        rewards, _ = scorer.score([PromptRow(prompt="p")] * len(ids), ids)
+    finally:
+        scorer.close()
+    want = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    assert seen == want and rewards.tolist() == [float(len(t)) for t in want]
+    assert "<|im_end|>" not in seen[-1] and len(seen[-1]) > 0
+
+
+def test_batch_decode_equals_vllms_own_detokenizer(vllm_gen, tiny_qwen2):
+    """What rewards saw before `detokenize=False`: vLLM's incremental text, same seed, same ids."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    outputs = vllm_gen.llm.generate(prompts, SamplingParams(n=4, max_tokens=32, seed=17), use_tqdm=False)
+    samples = [c for out in outputs for c in out.outputs]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    texts = decode_completions(tokenizer, [list(c.token_ids) for c in samples])
+    assert texts == [c.text for c in samples]
+
+
+# --------------------------------------------------------------------------- (f)
+
+
+def test_engine_settings_reach_vllm(vllm_gen):
+    config = vllm_gen.llm.llm_engine.vllm_config
+    sched = config.scheduler_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (48, 3072)
+    assert config.cache_config.enable_prefix_caching and config.model_config.enforce_eager
+    assert not sched.enable_chunked_prefill  # CPU, choice 2
+    assert not sched.async_scheduling  # vLLM turns it off on CPU
+
+
+def test_engine_settings_leave_zero_to_vllm_and_refuse_a_short_cpu_budget(tiny_qwen2):
+    pytest.importorskip("vllm")
+    cfg = GenerationConfig(enable_prefix_caching=False, async_scheduling=True, enforce_eager=True)
+    assert engine_settings(str(tiny_qwen2), cfg, on_cpu=False) == dict(
+        enforce_eager=True, enable_prefix_caching=False, async_scheduling=True, enable_chunked_prefill=True)
+    short = GenerationConfig(max_num_seqs=8, max_num_batched_tokens=512)
+    assert engine_settings(str(tiny_qwen2), short, on_cpu=False)["max_num_batched_tokens"] == 512  # chunked
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=512 is below the model's length 2048"):
+        engine_settings(str(tiny_qwen2), short, on_cpu=True)
+    assert engine_settings(str(tiny_qwen2), GenerationConfig(max_num_batched_tokens=2048), on_cpu=True)[
+        "max_num_batched_tokens"] == 2048
 
 
 # --------------------------------------------------------------------------- tied embeddings
