@@ -24,7 +24,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 class ActorFailure(RuntimeError):
     """An actor died or raised while the driver waited on it. The message is one line: which actor
-    (`learner rank 1`, `engine 0`), in which phase, and why."""
+    (`learner rank 1`, `engine 0`), in which phase, and why. `lost`: the actor itself is gone (its
+    process or node died), rather than a call that raised."""
+
+    def __init__(self, message: str, *, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+    def __reduce__(self):  # raised inside an actor (a weight-sync fan-out), it crosses to the driver
+        return ActorFailure, (str(self),), {"lost": self.lost}
 
 
 def gather(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str) -> list[Any]:
@@ -54,13 +62,14 @@ def _failure(ref: ray.ObjectRef, label: str, phase: str) -> ActorFailure | None:
     try:
         ray.get(ref)
     except ray.exceptions.ActorDiedError as e:
-        return ActorFailure(f"{label} died during {phase}: {_death_cause(e)}")
+        return ActorFailure(f"{label} died during {phase}: {_death_cause(e)}", lost=True)
     except ray.exceptions.RayActorError as e:  # unavailable: its node went away, or it is restarting
         return ActorFailure(f"{label} became unreachable during {phase} (its process or node is gone): "
-                            f"{_death_cause(e)}")
+                            f"{_death_cause(e)}", lost=True)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if e.cause is not None else e
-        return ActorFailure(f"{label} failed during {phase}: {type(cause).__name__}: {_one_line(str(cause))}")
+        return ActorFailure(f"{label} failed during {phase}: {type(cause).__name__}: {_one_line(str(cause))}",
+                            lost=False)
     return None
 
 
@@ -68,12 +77,12 @@ def _root_cause(failure: ActorFailure, pending: dict[ray.ObjectRef, str], phase:
                 grace_s: float = 5.0) -> ActorFailure:
     """An actor that raised may only be reporting a peer's death (a collective whose other end
     vanished). Give the other actors `grace_s` to finish or fail, and name a dead one first."""
-    if pending and "died" not in str(failure) and "unreachable" not in str(failure):
+    if pending and not failure.lost:
         done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
         for ref in done:
             other = _failure(ref, pending[ref], phase)
-            if other is not None and ("died" in str(other) or "unreachable" in str(other)):
-                return ActorFailure(f"{other} (then {failure})")
+            if other is not None and other.lost:
+                return ActorFailure(f"{other} (then {failure})", lost=True)
     return failure
 
 

@@ -104,7 +104,8 @@ def resolve_engines(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> in
 
 def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
     """Bundles and per-actor resource shares for the configured placement with `engines` engines
-    (0: learners only, one whole device each)."""
+    (0: learners only, one whole device each). Colocated, `engines` divides the learner ranks and
+    TP is 1: the config's validation and `resolve_engines` guarantee it."""
     n, tp = cfg.learner.num_ranks, cfg.cluster.generator_tp
     unit = "GPU" if device_kind != "cpu" else "CPU"
     # CPU shares are tokens for scheduling, not a claim on cores: actors on CPU all share the host.
@@ -113,9 +114,6 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
         return Layout(bundles=[{unit: one} for _ in range(n)], engine_bundles=[],
                       learner_bundles=list(range(n)), engine_share={}, learner_share={unit: one})
     if cfg.cluster.placement == "colocated":
-        if n % engines or tp != 1:
-            raise ConfigError(f"cluster.generator_engines={engines} with placement=colocated needs a divisor of "
-                              f"learner.num_ranks={n} and cluster.generator_tp=1")
         return Layout(
             bundles=[{unit: one} for _ in range(n)],
             engine_bundles=[e * (n // engines) for e in range(engines)],

@@ -39,12 +39,12 @@ class EngineGroup:
         busy = [e for e, part in enumerate(shards) if len(part)]
         refs = [self.engines[e].generate.remote([list(p) for p in prompt_ids[shards[e].start:shards[e].stop]],
                                                 sampling, shards[e].start) for e in busy]
-        parts, seconds = gather_timed(refs, [f"engine {e}" for e in busy], "generate")
-        self._metrics = engine_metrics({e: (sum(len(c.token_ids) for c in part), s)
-                                        for e, part, s in zip(busy, parts, seconds)})
+        labels = self.group.labels()
+        parts, seconds = gather_timed(refs, [labels[e] for e in busy], "generate")
+        tokens = [sum(len(c.token_ids) for c in part) for part in parts]
+        self._metrics = engine_metrics({e: (t, s) for e, t, s in zip(busy, tokens, seconds)})
         if self.gpus and seconds:  # every generating GPU, the idle ones of a short call included
-            tokens = sum(len(c.token_ids) for part in parts for c in part)
-            self._metrics["throughput/gen_tokens_per_s_per_gpu"] = tokens / max(max(seconds), 1e-9) / self.gpus
+            self._metrics["throughput/gen_tokens_per_s_per_gpu"] = sum(tokens) / max(max(seconds), 1e-9) / self.gpus
         return [c for part in parts for c in part]
 
     def last_metrics(self) -> dict[str, float]:

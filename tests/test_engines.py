@@ -269,3 +269,13 @@ def test_an_actor_that_raises_is_named_with_the_error(ray_local):
     with pytest.raises(ActorFailure, match=r"^engine [01] failed during fail: ValueError: bad bucket"):
         group.call("fail")
     group.shutdown()
+
+
+def test_actor_failure_survives_pickling():
+    """Raised inside an actor (a learner's weight-sync fan-out), it reaches the driver pickled."""
+    import pickle
+
+    from actors.actor_group import ActorFailure
+
+    again = pickle.loads(pickle.dumps(ActorFailure("engine 1 died during weight sync: gone", lost=True)))
+    assert str(again) == "engine 1 died during weight sync: gone" and again.lost
