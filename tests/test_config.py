@@ -23,7 +23,7 @@ ALLOWED_KEYS = {
     "generation.top_k", "generation.gpu_memory_utilization", "generation.cpu_kvcache_gib",
     "generation.enforce_eager", "generation.ignore_eos", "generation.max_num_seqs",
     "generation.max_num_batched_tokens", "generation.enable_prefix_caching", "generation.async_scheduling",
-    "reward.functions", "reward.timeout_s", "reward.num_workers",
+    "reward.functions", "reward.timeout_s", "reward.num_workers", "reward.max_failed_steps",
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",
     "dpo.beta", "dpo.loss_type", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.epochs", "dpo.pairs_per_step",
@@ -33,10 +33,11 @@ ALLOWED_KEYS = {
     "learner.offload_params", "learner.lr", "learner.weight_decay", "learner.betas", "learner.warmup_steps",
     "learner.max_grad_norm", "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
     "learner.gradient_checkpointing", "learner.fused_head",
-    "learner.pack_sequences", "learner.share_prompts", "learner.deepspeed_config",
+    "learner.pack_sequences", "learner.attention", "learner.share_prompts", "learner.deepspeed_config",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
-    "cluster.placement_strategy", "cluster.address",
+    "cluster.placement_strategy", "cluster.timeout_s", "cluster.address",
+    "logging.backends", "logging.project", "logging.verbose",
 }
 
 
