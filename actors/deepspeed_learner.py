@@ -38,7 +38,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from actors.learner_base import LearnerRank, load_hf_model, make_scheduler
+from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler
 from rlhf.config import LearnerConfig, ModelConfig
 
 _TAG = "state"  # one DeepSpeed checkpoint per train_state/ folder
@@ -75,7 +75,7 @@ class DeepSpeedLearner(LearnerRank):
         config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
 
         model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing,
-                              fused_head=learner_cfg.fused_head)
+                              fused_head=learner_cfg.fused_head, attention=attention_kernel(learner_cfg, self.device.kind))
         if learner_cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -92,7 +92,8 @@ class DeepSpeedLearner(LearnerRank):
 
     def _reference(self, model_path: str, train_cfg: dict[str, Any]) -> torch.nn.Module:
         """The frozen reference as a ZeRO-3 inference engine: parameters sharded, no optimizer."""
-        model = load_hf_model(model_path, gradient_checkpointing=False, fused_head=self.cfg.fused_head)
+        model = load_hf_model(model_path, gradient_checkpointing=False, fused_head=self.cfg.fused_head,
+                              attention=attention_kernel(self.cfg, self.device.kind))
         model.requires_grad_(False)
         zero: dict[str, Any] = {"stage": 3}
         if "offload_param" in train_cfg["zero_optimization"]:

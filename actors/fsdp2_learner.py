@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from actors.learner_base import LearnerRank, load_hf_model, make_scheduler
+from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler
 from rlhf.config import LearnerConfig, ModelConfig
 
 
@@ -64,7 +64,7 @@ class FSDP2Learner(LearnerRank):
 
     def _build(self, model_path: str, model_cfg: ModelConfig, *, trainable: bool) -> torch.nn.Module:
         model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing,
-                              fused_head=self.cfg.fused_head)
+                              fused_head=self.cfg.fused_head, attention=attention_kernel(self.cfg, self.device.kind))
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)

@@ -15,8 +15,8 @@ Shared choices:
 3. Batches are `TrainBatch` (GRPO) or `PreferenceBatch` (DPO: chosen and rejected of a pair in
    the same micro-batch, so one forward pass scores both); nothing here tells them apart.
 4. `learner.pack_sequences`: the rows of a micro-batch go through the model as one padding-free
-   row with restarting position ids (transformers builds the block-diagonal mask, or flash
-   attention's varlen path), and the log-probs are unpacked back to [b, T].
+   row with restarting position ids (transformers builds the per-document causal mask from them),
+   and the log-probs are unpacked back to [b, T]. Pays off with FlexAttention (choice 8).
 5. Unpacked, the LM head and the log-softmax run only from the column before a micro-batch's
    first scored token on (`logits_to_keep`): prompt positions never need a vocabulary-wide
    distribution, which is most of the work past the decoder layers on short completions.
@@ -26,9 +26,12 @@ Shared choices:
    A dense mask, so it pays off where prompts are long against completions or attention is cheap
    (CPU, short sequences), not with flash-attention kernels on long completions.
 7. `learner.fused_head` (default): every model's `lm_head` is a `rlhf.logprobs.LogprobHead`, so on
-   padded micro-batches the model returns next-token log-probs computed chunk by chunk from the
-   hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt and packed
+   padded and packed micro-batches the model returns next-token log-probs computed chunk by chunk
+   from the hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt
    micro-batches use the head as a plain linear layer).
+8. Attention kernel (`attention_kernel`): `learner.attention`, by default FlexAttention for packed
+   rows on a GPU (its block mask skips the blocks between documents, where SDPA computes the dense
+   mask) and SDPA otherwise. FlexAttention also runs on CPU (tested equal to padded SDPA rows).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from rlhf.logprobs import (
     next_token_targets,
     pack_sequences,
     packed_token_logprobs,
+    sequence_starts,
     share_prompts,
     shared_prompt_logprobs,
     token_logprobs,
@@ -130,11 +134,17 @@ class LearnerRank:
                 tail = token_logprobs(model(**kwargs).logits, ids[:, start - 1:], mask[:, start - 1:],
                                       temperature=self.temperature)
             return torch.nn.functional.pad(tail, (start - 1, 0))
+        # Choice 4: one padding-free row. No cache, no attention mask: transformers then reads the
+        # documents off the restarting position ids and builds the per-document causal mask.
         lengths = mb.attention_mask.sum(-1).tolist()
         packed, positions, cu = pack_sequences([row[:n].tolist() for row, n in zip(mb.input_ids, lengths)],
                                                device=dev)
-        logits = model(input_ids=packed, position_ids=positions, use_cache=False).logits
-        flat = packed_token_logprobs(logits, packed, cu, temperature=self.temperature)[0]
+        kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
+        if self.cfg.fused_head:
+            with output_head(model).scoring(next_token_targets(packed), self.temperature):
+                flat = align_next_token(model(**kwargs).logits, ~sequence_starts(cu, packed.shape[1])[None])[0]
+        else:
+            flat = packed_token_logprobs(model(**kwargs).logits, packed, cu, temperature=self.temperature)[0]
         out = torch.zeros(ids.shape, dtype=flat.dtype, device=dev)
         out = out.masked_scatter(mb.attention_mask.to(dev), flat)  # row-major order = packing order
         return out.masked_fill(~mask.bool(), 0.0)
@@ -296,12 +306,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
 
 
-def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool) -> torch.nn.Module:
-    """The model in fp32 (master weights; the backend casts for compute), its LM head a
-    `LogprobHead` when `fused_head` (choice 7: swapped before any sharding wrapper sees the model)."""
+def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
+    """The learner's attention implementation (choice 8): `learner.attention`, where `auto` is
+    FlexAttention for packed rows on a GPU and SDPA otherwise."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "flex_attention" if cfg.pack_sequences and device_kind == "cuda" else "sdpa"
+
+
+def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool,
+                  attention: str = "sdpa") -> torch.nn.Module:
+    """The model in fp32 (master weights; the backend casts for compute) with the `attention`
+    kernel, its LM head a `LogprobHead` when `fused_head` (choice 7: swapped before any sharding
+    wrapper sees the model)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if fused_head:

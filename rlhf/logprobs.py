@@ -248,7 +248,7 @@ def pack_sequences(
     return input_ids[None], position_ids[None], cu_seqlens
 
 
-def _sequence_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+def sequence_starts(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[total] bool, True on the first token of every packed sequence."""
     starts = torch.zeros(total, dtype=torch.bool, device=cu_seqlens.device)
     starts[cu_seqlens[:-1].long()] = True
@@ -275,7 +275,7 @@ def packed_token_logprobs(
     if input_ids.shape[0] != 1 or int(cu_seqlens[-1]) != total:
         raise ValueError(f"packed input must be [1, total] with cu_seqlens[-1] == total, got "
                          f"{tuple(input_ids.shape)} and cu_seqlens[-1]={int(cu_seqlens[-1])}")
-    keep = ~_sequence_starts(cu_seqlens, total)[None]
+    keep = ~sequence_starts(cu_seqlens, total)[None]
     return token_logprobs(logits, input_ids, keep, temperature=temperature, chunk_tokens=chunk_tokens)
 
 

@@ -10,6 +10,17 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# tests/gpu/ checks the GPU-only paths (CUDA IPC weight sync, vLLM sleep, FlexAttention's backward).
+# They are collected where a GPU is (`python -m pytest tests/gpu` on the GPU machine), not on CPU CI.
+collect_ignore = [] if _has_gpu() else ["gpu"]
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
     from rlhf.models import build_tiny_model

@@ -52,7 +52,7 @@ def spawn_ranks(target, *args, world: int = 2) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str,
-               learner_cfg: LearnerConfig = LEARNER) -> None:
+               learner_cfg: LearnerConfig = LEARNER, train: bool = True) -> None:
     from actors.fsdp2_learner import FSDP2Learner
 
     learner = FSDP2Learner(
@@ -61,9 +61,11 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBa
     )
     shard = shard_for_rank(batch, rank, world)
     lp = learner.logprobs(shard)
-    metrics = learner.train_step(shard, objective)
-    # Every rank keeps the full tensors, as when each feeds the colocated engine on its own device.
-    weights = {n: t for bucket in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in bucket}
+    metrics, weights = None, {}
+    if train:
+        metrics = learner.train_step(shard, objective)
+        # Every rank keeps the full tensors, as when each feeds the colocated engine on its own device.
+        weights = {n: t for bucket in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in bucket}
     torch.save((rank, lp, metrics, weights), f"{out}/rank{rank}.pt")  # files, not a queue: tensors outlive the process
     learner.shutdown()
 
@@ -88,10 +90,16 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
 
 # Rows 9, 7, 12 | 5, 10 tokens on ranks 0 | 1. A budget of 24 tokens gives rank 0 the micro-batches
 # [12, 9] and [7] (out of row order) and rank 1 one, [10, 5], plus a dummy pass to match rank 0.
-LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24)}
+# "packed-flex": the same budget, each micro-batch one padding-free row under FlexAttention's
+# per-document mask (the kernel the learner picks for packed rows on a GPU) and the fused head.
+# FlexAttention has no backward on CPU: here its log-probs are checked, its gradients on a GPU
+# (tests/gpu/test_gpu_learner.py).
+LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24),
+           "packed-flex": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True,
+                                  attention="flex_attention")}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["fixed", "token-budget"])
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_path):
     from transformers import AutoConfig
@@ -119,6 +127,19 @@ def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_
     # that by up to a few % of lr, so weights are compared to 5% of lr (lr = 1e-3).
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, atol=5e-5, rtol=0, msg=name)
+
+
+def test_packed_rows_under_flex_attention_match_padded_rows(tiny_qwen2, tmp_path):
+    """Token-budget micro-batches packed into one row each, FlexAttention with the per-document mask
+    and the fused head: the same log-probs as the plain padded forward (both ranks, every row)."""
+    from transformers import AutoConfig
+
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    spawn_ranks(_rank_main, str(tiny_qwen2), batch, GRPOObjective(), str(tmp_path), LAYOUTS["packed-flex"], False)
+    lp = torch.cat([torch.load(tmp_path / f"rank{r}.pt", weights_only=False)[1] for r in range(2)])
+    ref_lp = reference_step(str(tiny_qwen2), batch, GRPOObjective())[0]
+    assert bool(batch.loss_mask.any())
+    torch.testing.assert_close(lp, ref_lp * batch.loss_mask, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

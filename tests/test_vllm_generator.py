@@ -15,6 +15,8 @@ Run with `-s` to see the measured numbers (engine start, tokens/s, sync seconds,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import math
 import time
 
@@ -185,10 +187,25 @@ def test_generate_shapes_grouping_and_determinism(generator):
         assert greedy[2 * i].token_ids == greedy[2 * i + 1].token_ids
 
 
-def test_a_prompts_samples_do_not_depend_on_how_the_prompts_are_split(vllm_gen):
-    """Each prompt samples with its own seed from (call seed, its index in the step): splitting a
-    step's prompts over two engines (here two calls with their `first_index`) draws the same tokens
-    as one engine, in fp32, and enough prompts that the engine schedules them over several steps."""
+def test_a_calls_samples_do_not_depend_on_the_calls_before_it(vllm_gen, monkeypatch):
+    """Per-call seeding (choice 2, the GPU default): the engine's RNG is reseeded from (call seed,
+    first prompt index) at every call, so a call draws the same tokens whatever ran before it (what
+    makes a resumed run continue exactly), and another first index draws others."""
+    monkeypatch.setattr(vllm_gen, "cfg", replace(vllm_gen.cfg, per_prompt_seeds=False))
+    prompts = [[(5 * i + j) % 400 + 3 for j in range(4 + i % 7)] for i in range(12)]
+    spec = SamplingSpec(n=3, max_new_tokens=10, temperature=1.0, seed=33)
+    first = vllm_gen.generate(prompts, spec, first_index=4)
+    vllm_gen.generate(prompts[:5], SamplingSpec(n=2, max_new_tokens=7, temperature=1.0))  # unseeded, in between
+    assert _tokens(vllm_gen.generate(prompts, spec, first_index=4)) == _tokens(first)
+    assert _tokens(vllm_gen.generate(prompts, spec, first_index=5)) != _tokens(first)
+
+
+def test_a_prompts_samples_do_not_depend_on_how_the_prompts_are_split(vllm_gen, monkeypatch):
+    """`generation.per_prompt_seeds`: each prompt samples with its own seed from (call seed, its
+    index in the step): splitting a step's prompts over two engines (here two calls with their
+    `first_index`) draws the same tokens as one engine, in fp32, and enough prompts that the engine
+    schedules them over several steps."""
+    assert vllm_gen.cfg.per_prompt_seeds is None  # unset: per prompt on CPU
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 9)] for i in range(24)]
     spec = SamplingSpec(n=3, max_new_tokens=10, temperature=1.0, seed=21)
     whole = vllm_gen.generate(prompts, spec)
