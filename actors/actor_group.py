@@ -7,10 +7,18 @@ Fan-out waits with `gather`: results come back in call order, but the first acto
 raises ends the wait at once with an `ActorFailure` naming it and the phase. A plain
 `ray.get(list)` would instead wait on the first actor of the list, which may be blocked forever in
 a collective whose peer has just died.
+
+Time limit (`cluster.timeout_s`, `TIMEOUT_S` here): the actors of a `gather` run the same work in
+lockstep (collectives, weight-sync buckets), so once the first has answered, the others must
+answer within the limit; one that does not is reported as hung, by name. A call's own length is
+never limited (a long step of a large model is not a fault), nor are the engines' independent
+shards (`gather_timed`), and a dead process is reported by Ray at once.
+The driver sets the limit from the config (`set_timeout`); actors get it through the environment.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -35,20 +43,39 @@ class ActorFailure(RuntimeError):
         return ActorFailure, (str(self),), {"lost": self.lost}
 
 
+TIMEOUT_ENV = "RLHF_CLUSTER_TIMEOUT_S"
+TIMEOUT_S = float(os.environ.get(TIMEOUT_ENV, 120.0))
+"""Seconds the rest of a fan-out may take once its first actor has answered (module docstring)."""
+
+
+def set_timeout(seconds: float) -> None:
+    """Set `TIMEOUT_S` for this process (the driver, from `cluster.timeout_s`)."""
+    global TIMEOUT_S
+    TIMEOUT_S = float(seconds)
+
+
 def gather(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str) -> list[Any]:
-    """ray.get(refs), failing fast: the first failure among them raises ActorFailure."""
-    return gather_timed(refs, labels, phase)[0]
+    """ray.get(refs) of calls in lockstep, failing fast: the first failure among them, or an actor
+    still busy `TIMEOUT_S` after the first answer, raises ActorFailure."""
+    return gather_timed(refs, labels, phase, straggler_s=TIMEOUT_S)[0]
 
 
-def gather_timed(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str
-                 ) -> tuple[list[Any], list[float]]:
-    """`gather`, plus the seconds from this call until each result was ready (issue the calls just
-    before: that is each actor's wall time for its share)."""
+def gather_timed(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str, *,
+                 straggler_s: float | None = None) -> tuple[list[Any], list[float]]:
+    """ray.get(refs), failing fast, plus the seconds from this call until each result was ready
+    (issue the calls just before: that is each actor's wall time for its share). `straggler_s`:
+    the limit after the first answer (None: independent work, no limit)."""
     start = time.perf_counter()
     pending = dict(zip(refs, labels, strict=True))
     seconds: dict[ray.ObjectRef, float] = {}
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        limit = None
+        if seconds and straggler_s is not None:
+            limit = max(0.0, start + min(seconds.values()) + straggler_s - time.perf_counter())
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=limit)
+        if not ready:
+            raise ActorFailure(f"{', '.join(pending.values())} did not finish {phase} within {straggler_s:g} s of "
+                               f"the other actors (hung; cluster.timeout_s)", lost=True)
         seconds[ready[0]] = time.perf_counter() - start
         label = pending.pop(ready[0])
         failure = _failure(ready[0], label, phase)
@@ -165,7 +192,7 @@ class ActorGroup:
         refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
         return gather(refs, self.labels(), method)
 
-    def shutdown(self, timeout_s: float = 60.0) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask every actor to `shutdown()` (tear down process groups, engines), then kill them all.
         An actor still busy after `timeout_s` (blocked in a collective whose peer died) is killed
         anyway: a teardown must never hang."""

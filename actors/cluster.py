@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from actors.actor_group import ActorGroup, load_class, node_address
+from actors.actor_group import TIMEOUT_ENV, ActorGroup, load_class, node_address, set_timeout
 from actors.device import detect
 from actors.engine_group import EngineGroup
 from actors.learner_group import RayLearnerGroup
@@ -149,6 +149,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> 
             model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
             temperature=cfg.generation.temperature or 1.0, with_reference=needs_reference(cfg), seed=cfg.seed,
         ),
+        env=_timeout_env(cfg),
     )
     return RayLearnerGroup(group, model_path=model_path, export_dtype=cfg.model.dtype)
 
@@ -163,8 +164,16 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
             enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
         ),
+        env=_timeout_env(cfg),
     )
     return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0)
+
+
+def _timeout_env(cfg: RunConfig) -> dict[str, str]:
+    """`cluster.timeout_s` for the fan-outs the actors themselves wait on (weight sync), and for the
+    driver's (actors.actor_group: time limit)."""
+    set_timeout(cfg.cluster.timeout_s)
+    return {TIMEOUT_ENV: str(cfg.cluster.timeout_s)}
 
 
 def _placement_group(cfg: RunConfig, layout: Layout) -> Any:

@@ -14,6 +14,12 @@ Choices:
 4. `peak_flops(dtype)`: the dense matrix peak of the device (the denominator of MFU), from the
    vendors' data sheets by device name (`PEAK_TFLOPS`); None where unknown (CPUs, other GPUs),
    and then no MFU is reported rather than a guess.
+5. The compute dtype is decided here, once per run (`compute_dtype`, called by the launcher before
+   any actor starts): bf16 only where the hardware computes it natively. A CPU without native bf16
+   (no AVX512-BF16/AMX on x86, no BF16 extension on Arm, or PyTorch/oneDNN capped below it by
+   ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) emulates it: one such 2-core machine ran a bf16
+   matmul at ~1 GFLOP/s against ~42 in fp32. There `bfloat16` becomes `float32` (same math, more
+   exact), and `auto` is bf16 on GPUs and native-bf16 CPUs, fp32 elsewhere.
 """
 
 from __future__ import annotations
@@ -174,6 +180,54 @@ class CpuDevice:
 
     def peak_flops(self, dtype: str) -> float | None:
         return None  # CPU peaks depend on the ISA, the core count and the clock: no table
+
+
+def cpu_bf16() -> tuple[bool, str]:
+    """(whether this CPU computes bf16 natively, a one-line description of its capability): ATen's
+    vector ISA (`torch.backends.cpu.get_cpu_capability()`, capped by ATEN_CPU_CAPABILITY), oneDNN's
+    bf16 path (capped by ONEDNN_MAX_CPU_ISA) and the CPU's own bf16 flags (choice 5)."""
+    aten = torch.backends.cpu.get_cpu_capability()
+    onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    flags = _cpu_flags()
+    native_flags = sorted(flags & {"avx512_bf16", "amx_bf16", "bf16"})  # x86; "bf16": Arm's Features line
+    vector_ok = aten not in ("DEFAULT", "NO AVX", "AVX2")  # AVX2 kernels convert bf16 element by element
+    native = bool(native_flags) and onednn and vector_ok
+    described = (f"ATen {aten}, oneDNN bf16 {'on' if onednn else 'off'}, "
+                 f"bf16 instructions: {', '.join(native_flags) or 'none'}")
+    return native, described
+
+
+def cpu_capability() -> str:
+    """One line for benchmark records and logs, e.g. 'ATen AVX512, oneDNN bf16 on, bf16 instructions:
+    avx512_bf16 (native bf16)'."""
+    native, described = cpu_bf16()
+    return f"{described} ({'native' if native else 'emulated'} bf16)"
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (x86 `flags`, Arm `Features`); empty where absent."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def compute_dtype(requested: str, kind: str | None = None) -> tuple[str, str]:
+    """The dtype a run computes in for `model.dtype: requested` on a device of `kind` (this
+    process's when None), and why, in words (choice 5). Returns float32 or bfloat16, never auto."""
+    kind = kind or detect().kind
+    if requested == "float32":
+        return "float32", "requested"
+    if kind != "cpu":
+        return "bfloat16", "requested" if requested == "bfloat16" else "auto on a GPU"
+    native, described = cpu_bf16()
+    if native:
+        return "bfloat16", "requested" if requested == "bfloat16" else f"auto on a CPU with native bf16 ({described})"
+    return "float32", f"this CPU has no native bf16 ({described}), where bf16 runs many times slower than fp32"
 
 
 def detect() -> Device:

@@ -31,7 +31,11 @@ Shared choices:
    micro-batches use the head as a plain linear layer).
 8. Attention kernel (`attention_kernel`): `learner.attention`, by default FlexAttention for packed
    rows on a GPU (its block mask skips the blocks between documents, where SDPA computes the dense
-   mask) and SDPA otherwise. FlexAttention also runs on CPU (tested equal to padded SDPA rows).
+   mask) and SDPA otherwise. FlexAttention also runs on CPU (forward only: tested equal to padded
+   SDPA rows; its backward is tested on a GPU, tests/gpu). FlexAttention is a compiled kernel, and
+   every new row length compiled anew (measured on an H100: 265 s for the first step of the
+   grpo-gpu-scale work), so with a token budget each packed row is topped up to exactly
+   `max_tokens_per_micro_batch` by a filler document that only attends to itself.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class LearnerRank:
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(compute_dtype)
         self._transports: dict[str, object] = {}
+        # Packed rows under FlexAttention with a token budget are topped up to the budget (choice 8).
+        self._fixed_pack = (learner_cfg.pack_sequences and learner_cfg.max_tokens_per_micro_batch > 0
+                            and attention_kernel(learner_cfg, self.device.kind) == "flex_attention")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         self.device.set_device(0)
@@ -137,8 +144,13 @@ class LearnerRank:
         # Choice 4: one padding-free row. No cache, no attention mask: transformers then reads the
         # documents off the restarting position ids and builds the per-document causal mask.
         lengths = mb.attention_mask.sum(-1).tolist()
-        packed, positions, cu = pack_sequences([row[:n].tolist() for row, n in zip(mb.input_ids, lengths)],
-                                               device=dev)
+        sequences = [row[:n].tolist() for row, n in zip(mb.input_ids, lengths)]
+        total = sum(lengths)
+        if self._fixed_pack and total < self.cfg.max_tokens_per_micro_batch:
+            # Choice 8: one shape for every packed row, so the compiled kernel is built once: a
+            # filler document (its own block of the mask, its outputs dropped) tops the row up.
+            sequences.append([0] * (self.cfg.max_tokens_per_micro_batch - total))
+        packed, positions, cu = pack_sequences(sequences, device=dev)
         kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
         if self.cfg.fused_head:
             with output_head(model).scoring(next_token_targets(packed), self.temperature):
@@ -146,7 +158,7 @@ class LearnerRank:
         else:
             flat = packed_token_logprobs(model(**kwargs).logits, packed, cu, temperature=self.temperature)[0]
         out = torch.zeros(ids.shape, dtype=flat.dtype, device=dev)
-        out = out.masked_scatter(mb.attention_mask.to(dev), flat)  # row-major order = packing order
+        out = out.masked_scatter(mb.attention_mask.to(dev), flat[:total])  # row-major order = packing order
         return out.masked_fill(~mask.bool(), 0.0)
 
     def _aligned_micro_batches(self, batch: Batch) -> tuple[list[tuple[torch.Tensor, Batch]], int]:

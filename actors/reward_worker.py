@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import ray
 import torch
 
+from actors.actor_group import gather
 from rlhf.config import RewardConfig
 from rlhf.types import PromptRow
 
@@ -51,10 +52,10 @@ class RayRewardScorer:
 
     def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
               ) -> tuple[torch.Tensor, dict[str, float]]:
-        return ray.get(self.actor.score.remote(list(rows), list(token_ids)))
+        return gather([self.actor.score.remote(list(rows), list(token_ids))], ["reward worker"], "reward")[0]
 
     def shutdown(self) -> None:
         try:
-            ray.get(self.actor.close.remote())
+            ray.get(self.actor.close.remote(), timeout=10.0)  # then killed: a teardown never hangs
         finally:
             ray.kill(self.actor)

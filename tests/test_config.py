@@ -22,7 +22,7 @@ ALLOWED_KEYS = {
     "generation.backend", "generation.max_new_tokens", "generation.temperature", "generation.top_p",
     "generation.top_k", "generation.gpu_memory_utilization", "generation.cpu_kvcache_gib",
     "generation.enforce_eager", "generation.ignore_eos", "generation.max_num_seqs",
-    "generation.max_num_batched_tokens", "generation.enable_prefix_caching", "generation.async_scheduling",
+    "generation.max_num_batched_tokens", "generation.per_prompt_seeds", "generation.enable_prefix_caching", "generation.async_scheduling",
     "reward.functions", "reward.timeout_s", "reward.num_workers", "reward.max_failed_steps",
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",

@@ -188,7 +188,7 @@ def test_generate_shapes_grouping_and_determinism(generator):
 
 
 def test_a_calls_samples_do_not_depend_on_the_calls_before_it(vllm_gen, monkeypatch):
-    """Per-call seeding (choice 2, the GPU default): the engine's RNG is reseeded from (call seed,
+    """Per-call seeding (choice 2): the engine's RNG is reseeded from (call seed,
     first prompt index) at every call, so a call draws the same tokens whatever ran before it (what
     makes a resumed run continue exactly), and another first index draws others."""
     monkeypatch.setattr(vllm_gen, "cfg", replace(vllm_gen.cfg, per_prompt_seeds=False))
@@ -205,7 +205,7 @@ def test_a_prompts_samples_do_not_depend_on_how_the_prompts_are_split(vllm_gen, 
     index in the step): splitting a step's prompts over two engines (here two calls with their
     `first_index`) draws the same tokens as one engine, in fp32, and enough prompts that the engine
     schedules them over several steps."""
-    assert vllm_gen.cfg.per_prompt_seeds is None  # unset: per prompt on CPU
+    assert vllm_gen.cfg.per_prompt_seeds  # the default
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + i % 9)] for i in range(24)]
     spec = SamplingSpec(n=3, max_new_tokens=10, temperature=1.0, seed=21)
     whole = vllm_gen.generate(prompts, spec)
