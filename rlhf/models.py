@@ -105,7 +105,15 @@ def build_tiny_model(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # built on first use, e.g. inside a run: no "Writing model shards" bar
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     stamp.write_text(json.dumps({"name": name, "seed": seed, "version": _VERSION}))
