@@ -32,7 +32,8 @@ Shared choices:
 8. Attention kernel (`attention_kernel`): `learner.attention`, by default FlexAttention for packed
    rows on a GPU (its block mask skips the blocks between documents, where SDPA computes the dense
    mask) and SDPA otherwise. FlexAttention also runs on CPU (forward only: tested equal to padded
-   SDPA rows; its backward is tested on a GPU, tests/gpu). FlexAttention is a compiled kernel, and
+   SDPA rows; its backward is checked on a GPU by tests/gpu, which fails on the tiny test model
+   today: benchmarks/README.md). FlexAttention is a compiled kernel, and
    every new row length compiled anew (measured on an H100: 265 s for the first step of the
    grpo-gpu-scale work), so with a token budget each packed row is topped up to exactly
    `max_tokens_per_micro_batch` by a filler document that only attends to itself.

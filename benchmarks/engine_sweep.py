@@ -91,11 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                 del out
         finally:
             gen.shutdown()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         timed = [c["tok_s"] for c in calls[1:]] or [calls[0]["tok_s"]]
         row = {"variant": name, "sets": sets, "overrides": args.overrides, "startup_s": startup,
                "median_tok_s": statistics.median(timed), "calls": calls,
-               "settings": {k: v for k, v in engine_settings(model_path, g, on_cpu=False).items()},
+               "settings": engine_settings(model_path, g, on_cpu=False),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
         rows.append(row)

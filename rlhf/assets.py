@@ -220,6 +220,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.load_state_dict(state, strict=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.model_max_length = config.max_position_embeddings
+    if tokenizer.pad_token is None:  # transformers versions read the GGUF's pad token differently (5.17: none)
+        tokenizer.pad_token = tokenizer.eos_token
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)

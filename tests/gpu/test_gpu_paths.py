@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -94,7 +95,7 @@ def test_colocated_gpu_run_syncs_every_step_and_resumes(tmp_path):
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_000003")
     kept = [r for r in records if r["step"] < 2]
-    (resumed / "metrics.jsonl").write_text("".join(__import__("json").dumps(r) + "\n" for r in kept))
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     _train(resumed, "grpo.steps=3", "resume=true")
     again = read_metrics(resumed / "metrics.jsonl")[-1]
     assert again["step"] == 2
