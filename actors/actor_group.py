@@ -114,8 +114,15 @@ def _root_cause(failure: ActorFailure, pending: dict[ray.ObjectRef, str], phase:
 
 
 def _death_cause(e: Exception) -> str:
-    """The useful part of Ray's actor-death message (its first sentence names the cause)."""
-    text = _one_line(getattr(e, "error_msg", None) or str(e))
+    """The useful part of Ray's actor-death message (its first sentence names the cause). An actor
+    whose constructor raised: the exception itself, i.e. the traceback's last line."""
+    raw = getattr(e, "error_msg", None) or str(e)
+    if getattr(e, "actor_init_failed", False):
+        lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m", "", raw).splitlines() if line.strip()]
+        exception = next((line for line in reversed(lines) if re.match(r"^[\w.]+(Error|Exception|Exit|Interrupt)\b", line)),
+                         lines[-1] if lines else raw)
+        return f"its constructor raised {_one_line(exception)}"
+    text = _one_line(raw)
     for marker in ("The actor is dead because ", "The actor died because ", "temporarily unavailable: ", "because "):
         if marker in text:
             return text.split(marker, 1)[1].split(". ")[0].rstrip(".")
@@ -125,6 +132,18 @@ def _death_cause(e: Exception) -> str:
 def _one_line(text: str, limit: int = 300) -> str:
     line = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())  # no terminal colours
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def host_store(world_size: int) -> tuple[str, int, Any]:
+    """A torch.distributed TCPStore served by this process (the driver) on a port the kernel picks
+    while binding: (address, port, store). The actors join it as clients. Picking a free port,
+    closing it and handing the number to an actor that binds it seconds later loses, now and then,
+    to any other process binding or connecting in between (vLLM engines and Ray's own sockets start
+    at the same time). Keep `store` alive as long as the process group."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("0.0.0.0", 0, world_size + 1, is_master=True, wait_for_workers=False, use_libuv=True)
+    return ray.util.get_node_ip_address(), store.port, store
 
 
 @ray.remote(num_cpus=0)
@@ -148,7 +167,9 @@ def load_class(spec: str) -> type:
 class ActorGroup:
     """`num_actors` instances of `cls`; actor i sits on bundle `bundles[i]` of `pg`.
 
-    `make_kwargs(rank, master_addr, master_port)` gives each actor's constructor arguments.
+    `make_kwargs(rank, master_addr, master_port)` gives each actor's constructor arguments. With
+    `rendezvous_store`, (master_addr, master_port) is a TCPStore this group serves from the driver
+    for the actors' `init_process_group` (`host_store`); else a free port on bundle 0's node.
     """
 
     def __init__(
@@ -162,12 +183,16 @@ class ActorGroup:
         num_gpus: float,
         make_kwargs: Callable[[int, str, int], dict[str, Any]],
         env: dict[str, str] | None = None,
+        rendezvous_store: bool = False,
     ) -> None:
         def place(bundle: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
         self.name = name  # actor i is "{name} {i}" in errors, e.g. "learner rank 1"
-        addr, port = ray.get(node_address.options(scheduling_strategy=place(bundles[0])).remote())
+        if rendezvous_store:
+            addr, port, self._store = host_store(len(bundles))
+        else:
+            addr, port = ray.get(node_address.options(scheduling_strategy=place(bundles[0])).remote())
         remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": env} if env else None
         self.actors = [

@@ -148,8 +148,9 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> 
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
             model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
             temperature=cfg.generation.temperature or 1.0, with_reference=needs_reference(cfg), seed=cfg.seed,
+            driver_store=True,
         ),
-        env=_timeout_env(cfg),
+        env=_timeout_env(cfg), rendezvous_store=True,
     )
     return RayLearnerGroup(group, model_path=model_path, export_dtype=cfg.model.dtype)
 

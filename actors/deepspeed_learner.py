@@ -48,7 +48,8 @@ _OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumu
 
 
 class DeepSpeedLearner(LearnerRank):
-    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous."""
+    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous
+    (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
 
     def __init__(
         self,
@@ -63,12 +64,13 @@ class DeepSpeedLearner(LearnerRank):
         temperature: float,
         with_reference: bool,
         seed: int,
+        driver_store: bool = False,
     ) -> None:
         if learner_cfg.offload_params and learner_cfg.zero_stage != 3:
             raise ValueError("learner.offload_params needs learner.zero_stage=3: ZeRO-2 keeps the full "
                              "parameters on every rank (learner.offload_optimizer works with both stages)")
         super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
+                         driver_store=driver_store, learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
                          compute_dtype=model_cfg.dtype)
         deepspeed.utils.logger.setLevel(logging.WARNING)
         self.zero_stage = learner_cfg.zero_stage

@@ -33,7 +33,8 @@ from rlhf.config import LearnerConfig, ModelConfig
 
 
 class FSDP2Learner(LearnerRank):
-    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous."""
+    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous
+    (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
 
     def __init__(
         self,
@@ -48,9 +49,10 @@ class FSDP2Learner(LearnerRank):
         temperature: float,
         with_reference: bool,
         seed: int,
+        driver_store: bool = False,
     ) -> None:
         super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
+                         driver_store=driver_store, learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
                          compute_dtype=model_cfg.dtype)
         self.model = self._build(model_path, model_cfg, trainable=True)
         self.reference = self._build(model_path, model_cfg, trainable=False) if with_reference else None

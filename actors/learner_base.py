@@ -76,7 +76,7 @@ class LearnerRank:
     model: torch.nn.Module
     reference: torch.nn.Module | None
 
-    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int,
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, driver_store: bool,
                  learner_cfg: LearnerConfig, temperature: float, seed: int, model_path: str, compute_dtype: str
                  ) -> None:
         from transformers import AutoConfig
@@ -97,7 +97,11 @@ class LearnerRank:
         # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
         self._dev = self.device.torch_device(0)
         if not dist.is_initialized():
-            dist.init_process_group(self.device.dist_backend, rank=rank, world_size=world_size)
+            # The driver's store (actors.actor_group.host_store), joined as a client; else env://,
+            # where rank 0 serves the store on master_port.
+            store = (dist.TCPStore(master_addr, master_port, is_master=False, use_libuv=True)
+                     if driver_store else None)
+            dist.init_process_group(self.device.dist_backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
 
     # ---------------------------------------------------------------- backend hooks

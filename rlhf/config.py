@@ -206,6 +206,18 @@ class LearnerConfig:
     """Rows sharing a prompt (a GRPO group, a DPO pair) run as one row: the prompt once, each
     completion after it under a block mask. Same log-probs, less compute when prompts are long
     against completions; the dense mask rules out flash-attention kernels."""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on `lora_target_modules` (PEFT); 0 = full fine-tuning. With LoRA the
+    reference policy is the same model with its adapters disabled (no second copy)."""
+    lora_alpha: float = 32.0
+    """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or suffixes) that get adapters; `all-linear`: every linear layer of the decoder
+    (not the LM head)."""
+    lora_sync: Literal["adapter", "merged"] = "adapter"
+    """What a weight push sends to vLLM: the adapter tensors only (vLLM serves them with LoRA on), or
+    the base weights with the adapter merged in (no LoRA kernels in the engine)."""
     deepspeed_config: str | None = None
     """DeepSpeed only: a JSON file merged over the generated DeepSpeed config (batch sizes and the
     ZeRO stage stay the learner's), for users bringing their OpenRLHF/TRL settings."""
@@ -251,6 +263,19 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryConfig:
+    plan: Literal["off", "auto"] = "off"
+    """`auto`: at launch, fit the recipe to the GPU's memory (micro-batch token budget, sharding,
+    offload, checkpointing, vLLM's memory share) as `scripts/plan.py` prints it; keys set explicitly
+    in the recipe or overrides always win."""
+    gpu: str = "auto"
+    """The GPU the plan is for: auto (the one detected), h100-80gb, h200-141gb, mi300x-192gb,
+    mi250x-128gb or a100-80gb."""
+    gpu_memory_gib: float = 0.0
+    """Memory per GPU in GiB, overriding the kind's (0: the kind's)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     backends: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
     """Experiment trackers fed the same step-indexed keys as metrics.jsonl (which is always written)."""
@@ -282,6 +307,7 @@ class RunConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
@@ -334,6 +360,13 @@ def _validate(c: RunConfig) -> None:
     _check(gen.max_num_batched_tokens >= 0, "generation.max_num_batched_tokens",
            "an integer >= 0 (0 = vLLM's default)", gen.max_num_batched_tokens)
     _check(l.max_grad_norm > 0, "learner.max_grad_norm", "a number > 0", l.max_grad_norm)
+    _check(l.lora_rank >= 0, "learner.lora_rank", "an integer >= 0 (0 = full fine-tuning)", l.lora_rank)
+    _check(l.lora_alpha > 0, "learner.lora_alpha", "a number > 0", l.lora_alpha)
+    _check(0 <= l.lora_dropout < 1, "learner.lora_dropout", "a number in [0, 1)", l.lora_dropout)
+    _check(len(l.lora_target_modules) >= 1 and all(l.lora_target_modules), "learner.lora_target_modules",
+           "a non-empty list of module names, or [all-linear]", list(l.lora_target_modules))
+    _check(c.memory.gpu_memory_gib >= 0, "memory.gpu_memory_gib", "a number >= 0 (0 = the GPU kind's)",
+           c.memory.gpu_memory_gib)
     _check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
     _check(not (l.share_prompts and l.pack_sequences), "learner.share_prompts",
            "false while learner.pack_sequences=true (two ways of laying out a micro-batch)", l.share_prompts)

@@ -34,6 +34,8 @@ ALLOWED_KEYS = {
     "learner.max_grad_norm", "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
     "learner.gradient_checkpointing", "learner.fused_head",
     "learner.pack_sequences", "learner.attention", "learner.share_prompts", "learner.deepspeed_config",
+    "learner.lora_rank", "learner.lora_alpha", "learner.lora_dropout", "learner.lora_target_modules",
+    "learner.lora_sync", "memory.plan", "memory.gpu", "memory.gpu_memory_gib",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
     "cluster.placement_strategy", "cluster.timeout_s", "cluster.address",

@@ -186,6 +186,29 @@ class FakeEngine:
         pass
 
 
+class FakeRank:
+    """A process-group member joining through the rendezvous its group hands it."""
+
+    def __init__(self, rank: int, world: int, addr: str, port: int, fail: bool = False) -> None:
+        import torch.distributed as dist
+
+        if fail:
+            raise FileNotFoundError("no weights at /nowhere")
+        store = dist.TCPStore(addr, port, is_master=False, use_libuv=True)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+    def all_reduce(self, value: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([value])
+        dist.all_reduce(t)
+        return float(t)
+
+    def shutdown(self):
+        pass
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import sys
@@ -269,6 +292,38 @@ def test_an_actor_that_raises_is_named_with_the_error(ray_local):
     with pytest.raises(ActorFailure, match=r"^engine [01] failed during fail: ValueError: bad bucket"):
         group.call("fail")
     group.shutdown()
+
+
+def _ranks(ray, world: int, fail: bool = False):
+    from ray.util.placement_group import placement_group
+
+    from actors.actor_group import ActorGroup
+
+    pg = placement_group([{"CPU": 0.1}] * world)
+    ray.get(pg.ready())
+    return ActorGroup(FakeRank, name="learner rank", pg=pg, bundles=list(range(world)), num_cpus=0.1, num_gpus=0,
+                      rendezvous_store=True,
+                      make_kwargs=lambda rank, addr, port: dict(rank=rank, world=world, addr=addr, port=port,
+                                                                fail=fail and rank == 1))
+
+
+@pytest.mark.ray
+def test_ranks_join_the_store_their_driver_serves(ray_local):
+    """The rendezvous store is bound by the driver itself (no free-port race with other processes)."""
+    group = _ranks(ray_local, 3)
+    assert group.call_each("all_reduce", [(1.0,), (2.0,), (4.0,)]) == [7.0, 7.0, 7.0]
+    group.shutdown()
+
+
+@pytest.mark.ray
+def test_a_constructor_that_raises_is_named_with_its_exception(ray_local):
+    from actors.actor_group import ActorFailure
+
+    group = _ranks(ray_local, 2, fail=True)
+    with pytest.raises(ActorFailure, match=r"^learner rank 1 died during all_reduce: its constructor raised "
+                                           r"FileNotFoundError: no weights at /nowhere$"):
+        group.call("all_reduce", 1.0)
+    group.shutdown(timeout_s=1)
 
 
 def test_actor_failure_survives_pickling():
