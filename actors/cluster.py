@@ -136,8 +136,16 @@ def _share(share: dict[str, float]) -> dict[str, float]:
 
 def needs_reference(cfg: RunConfig) -> bool:
     """Whether the learners hold a frozen reference model: GRPO with a KL term, DPO unless its
-    reference log-probs are precomputed (or it is SimPO)."""
+    reference log-probs are precomputed (or it is SimPO). Never with LoRA: the reference is then
+    the policy with its adapters off (actors.learner_base choice 9)."""
+    if cfg.learner.lora_rank > 0:
+        return False
     return cfg.grpo.kl_coef > 0 if cfg.algorithm == "grpo" else needs_reference_model(cfg)
+
+
+def serves_adapters(cfg: RunConfig) -> bool:
+    """Whether weight pushes carry LoRA adapters to engines serving them (`lora_sync: adapter`)."""
+    return cfg.learner.lora_rank > 0 and cfg.learner.lora_sync == "adapter"
 
 
 def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:
@@ -164,6 +172,7 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
             model_path=model_path, cfg=cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
             enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
+            **({"lora": cfg.learner} if serves_adapters(cfg) else {}),
         ),
         env=_timeout_env(cfg),
     )

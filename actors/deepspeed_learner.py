@@ -24,13 +24,16 @@ Choices:
    from our config after the merge, and HF Trainer's "auto" placeholders are dropped.
 5. Resumable state is DeepSpeed's own checkpoint (`engine.save_checkpoint`: fp32 master weights,
    optimizer and scheduler, sharded per rank) under `train_state/`, next to the HF export.
+6. LoRA (learner_base choice 9): PEFT wraps the model before `deepspeed.initialize`, and the
+   optimizer gets only the adapters; ZeRO then keeps fp32 masters and moments for them alone and
+   leaves the frozen base weights in the module (sharded too under ZeRO-3).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler
+from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler, wrap_lora
+from actors.torch_extensions import clear_stale_build_locks
 from rlhf.config import LearnerConfig, ModelConfig
 
 _TAG = "state"  # one DeepSpeed checkpoint per train_state/ folder
@@ -76,15 +80,19 @@ class DeepSpeedLearner(LearnerRank):
         self.zero_stage = learner_cfg.zero_stage
         config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
 
+        clear_stale_build_locks()  # DeepSpeed builds its ops (CPU Adam, shm collectives) just in time
         model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing,
                               fused_head=learner_cfg.fused_head, attention=attention_kernel(learner_cfg, self.device.kind))
+        if self.lora:  # choice 6
+            model, self.lora_targets = wrap_lora(model, learner_cfg)
+        trainable = [p for p in model.parameters() if p.requires_grad]
         if learner_cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
+            optimizer = DeepSpeedCPUAdam(trainable, lr=learner_cfg.lr, betas=learner_cfg.betas,
                                          weight_decay=learner_cfg.weight_decay, adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
+            optimizer = torch.optim.AdamW(trainable, lr=learner_cfg.lr, betas=learner_cfg.betas,
                                           weight_decay=learner_cfg.weight_decay)
         self.scheduler = make_scheduler(optimizer, learner_cfg.warmup_steps)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
@@ -118,10 +126,16 @@ class DeepSpeedLearner(LearnerRank):
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _peft_model(self) -> torch.nn.Module:
+        return self.engine.module
+
+    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
         keep = self.rank == 0 if keep is None else keep
         for name, param in self.engine.module.named_parameters():
+            if only is not None and not only(name):
+                continue
             if self.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
                 yield name, param.detach()
                 continue
@@ -138,6 +152,7 @@ class DeepSpeedLearner(LearnerRank):
         scheduler state, one shard per rank)."""
         out = Path(path)
         self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
+        self.export_adapter(model_path, out / "adapter")
         self.engine.save_checkpoint(str(out / "train_state"), tag=_TAG)
         dist.barrier()
 

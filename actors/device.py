@@ -204,6 +204,21 @@ def cpu_capability() -> str:
     return f"{described} ({'native' if native else 'emulated'} bf16)"
 
 
+def isolate_cpu_compile_cache() -> None:
+    """Point vLLM's compile cache (VLLM_CACHE_ROOT) of this process at a folder of this CPU's
+    capability, e.g. `~/.cache/vllm/cpu-avx2-onednn-avx2`. vLLM keys its AOT-compiled CPU model by
+    the model and config, not by the ISA that ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA allow, so an
+    artifact built for AVX-512 fails to load under an AVX2 cap; vLLM then compiles again and writes
+    over the file it has mapped, and the engine dies of SIGBUS at its first weight sync (measured:
+    the SmolLM2 recipe under forced AVX2 after an unforced run). Call it before the engine starts."""
+    tag = f"cpu-{torch.backends.cpu.get_cpu_capability()}-onednn-{os.environ.get('ONEDNN_MAX_CPU_ISA', 'any')}"
+    tag = tag.lower().replace(" ", "")
+    root = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+    if os.path.basename(root) != tag:
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(root, tag)
+
+
 def _cpu_flags() -> set[str]:
     """The CPU feature flags of /proc/cpuinfo (x86 `flags`, Arm `Features`); empty where absent."""
     try:
@@ -228,6 +243,14 @@ def compute_dtype(requested: str, kind: str | None = None) -> tuple[str, str]:
     if native:
         return "bfloat16", "requested" if requested == "bfloat16" else f"auto on a CPU with native bf16 ({described})"
     return "float32", f"this CPU has no native bf16 ({described}), where bf16 runs many times slower than fp32"
+
+
+def gpu_identity() -> tuple[str, float] | None:
+    """(name, total memory in GiB) of this process's GPU 0, for the memory planner; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return props.name, props.total_memory / _GIB
 
 
 def detect() -> Device:

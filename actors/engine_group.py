@@ -10,11 +10,16 @@ depend on the engine count, up to the batch-dependent rounding of the kernels.
 All engines work at once; the call returns when the slowest is done. `last_metrics()` gives each
 engine's tokens and seconds for the call (from issuing it to its result being ready) and the
 slowest/fastest ratio, which shows an imbalance (long completions bunched in one shard).
+`submit` issues the same calls and returns at once (asynchronous GRPO: rlhf.rollouts).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
+
+import ray
 
 from actors.actor_group import ActorGroup, gather_timed
 from rlhf.batching import even_shards
@@ -35,17 +40,18 @@ class EngineGroup:
         return len(self.engines)
 
     def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
+        pending = self.submit(prompt_ids, sampling)
+        completions = pending.result()
+        self._metrics = pending.metrics()
+        return completions
+
+    def submit(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> EngineGeneration:
         shards = even_shards(len(prompt_ids), len(self.engines))
         busy = [e for e, part in enumerate(shards) if len(part)]
         refs = [self.engines[e].generate.remote([list(p) for p in prompt_ids[shards[e].start:shards[e].stop]],
                                                 sampling, shards[e].start) for e in busy]
         labels = self.group.labels()
-        parts, seconds = gather_timed(refs, [labels[e] for e in busy], "generate")
-        tokens = [sum(len(c.token_ids) for c in part) for part in parts]
-        self._metrics = engine_metrics({e: (t, s) for e, t, s in zip(busy, tokens, seconds)})
-        if self.gpus and seconds:  # every generating GPU, the idle ones of a short call included
-            self._metrics["throughput/gen_tokens_per_s_per_gpu"] = sum(tokens) / max(max(seconds), 1e-9) / self.gpus
-        return [c for part in parts for c in part]
+        return EngineGeneration(refs, busy, [labels[e] for e in busy], self.gpus)
 
     def last_metrics(self) -> dict[str, float]:
         return dict(self._metrics)
@@ -58,6 +64,43 @@ class EngineGroup:
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+
+class EngineGeneration:
+    """The engines' shares of one `submit`, running (`rlhf.protocols.PendingGeneration`). A watcher
+    thread notes when each share is ready, so an engine's seconds are its own even when the loop
+    asks for the result long after (generation overlapping training)."""
+
+    def __init__(self, refs: list[ray.ObjectRef], engines: list[int], labels: list[str], gpus: int) -> None:
+        self.refs, self.engines, self.labels, self.gpus = refs, engines, labels, gpus
+        self.submitted = time.perf_counter()
+        self._ready_at: dict[ray.ObjectRef, float] = {}
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="engine-generation-watcher")
+        self._watcher.start()
+        self._completions: list[Completion] | None = None
+        self._metrics: dict[str, float] = {}
+
+    def _watch(self) -> None:
+        waiting = list(self.refs)
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1)
+            self._ready_at[ready[0]] = time.perf_counter()
+
+    def result(self) -> list[Completion]:
+        if self._completions is None:
+            parts, seconds = gather_timed(self.refs, self.labels, "generate", start=self.submitted)
+            self._watcher.join(timeout=10.0)  # every share is ready: the thread is noting the last one
+            seconds = [self._ready_at.get(ref, self.submitted + s) - self.submitted for ref, s in zip(self.refs, seconds)]
+            tokens = [sum(len(c.token_ids) for c in part) for part in parts]
+            self._metrics = engine_metrics({e: (t, s) for e, t, s in zip(self.engines, tokens, seconds)})
+            if self.gpus and seconds:  # every generating GPU, the idle ones of a short call included
+                self._metrics["throughput/gen_tokens_per_s_per_gpu"] = (sum(tokens) / max(max(seconds), 1e-9)
+                                                                        / self.gpus)
+            self._completions = [c for part in parts for c in part]
+        return self._completions
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
 
 
 def engine_metrics(per_engine: dict[int, tuple[int, float]]) -> dict[str, float]:

@@ -10,11 +10,16 @@ Choices:
    compute, and only one layer is unsharded at a time.
 3. Resumable state is torch.distributed.checkpoint (sharded model + optimizer) plus the scheduler;
    the HF export next to it is gathered parameter by parameter.
+4. LoRA (learner_base choice 9): PEFT wraps the model before `fully_shard`, so each decoder layer's
+   FSDP unit holds its frozen base weights and its adapters together (FSDP2 allows mixed
+   requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
+   is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only
+   the adapters' moments), so resume is exact as without LoRA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -28,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler
+from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler, wrap_lora
 from rlhf.config import LearnerConfig, ModelConfig
 
 
@@ -59,7 +64,7 @@ class FSDP2Learner(LearnerRank):
         # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
         # 0.38 s per step for 135M parameters on 2 cores).
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learner_cfg.lr, betas=learner_cfg.betas,
+            self._trainable(), lr=learner_cfg.lr, betas=learner_cfg.betas,
             weight_decay=learner_cfg.weight_decay, fused=True,
         )
         self.scheduler = make_scheduler(self.optimizer, learner_cfg.warmup_steps)
@@ -67,14 +72,28 @@ class FSDP2Learner(LearnerRank):
     def _build(self, model_path: str, model_cfg: ModelConfig, *, trainable: bool) -> torch.nn.Module:
         model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing,
                               fused_head=self.cfg.fused_head, attention=attention_kernel(self.cfg, self.device.kind))
+        layers = model.model.layers
+        lora = trainable and self.lora
+        if lora:  # choice 4: adapters before sharding; PEFT froze the base weights
+            model, self.lora_targets = wrap_lora(model, self.cfg)
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+        # reshard_after_forward=False keeps each layer's gathered weights from forward to backward
+        # (ZeRO-2-like: memory for one all-gather less per layer); the frozen reference has no backward.
+        reshard = self.cfg.reshard_after_forward or not trainable
+        for layer in layers:
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
         model.to(self.device.torch_device(0))
         model.train(trainable)
-        model.requires_grad_(trainable)
+        if not lora:
+            model.requires_grad_(trainable)
         return model
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _peft_model(self) -> torch.nn.Module:
+        return self.model
 
     # ---------------------------------------------------------------- LearnerRank hooks
 
@@ -82,7 +101,7 @@ class FSDP2Learner(LearnerRank):
         loss.backward()
 
     def _optimizer_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), self.cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -93,21 +112,25 @@ class FSDP2Learner(LearnerRank):
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
         # full_tensor() all-gathers: every rank gets the full tensor whether it keeps it or not.
         for name, param in self.model.named_parameters():
-            yield name, param.full_tensor() if isinstance(param, DTensor) else param
+            if only is None or only(name):
+                yield name, param.full_tensor() if isinstance(param, DTensor) else param
 
     # ---------------------------------------------------------------- checkpoints
 
     def save(self, path: str, model_path: str, export_dtype: str) -> None:
         """Write `path/model/` (HF safetensors + config + tokenizer, loadable by transformers and
-        vLLM) and `path/train_state/` (sharded model + optimizer, exact resume) plus scheduler."""
+        vLLM; LoRA merged), with LoRA `path/adapter/` (PEFT format), and `path/train_state/`
+        (sharded model + optimizer, exact resume) plus scheduler."""
         import torch.distributed.checkpoint as dcp
 
         out = Path(path)
         self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
+        self.export_adapter(model_path, out / "adapter")
         state = {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optimizer),

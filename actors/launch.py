@@ -9,11 +9,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
 from rlhf.config import ConfigError, RunConfig, config_to_dict, load_config
+
+if TYPE_CHECKING:
+    from rlhf.planner import GpuKind
 
 
 @contextmanager
@@ -31,7 +34,7 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
     out, verbose = Path(cfg.output_dir), cfg.logging.verbose
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    write_run_config(cfg, out)
     print(describe_run(cfg), flush=True)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
     with driver_logs_to_file(logs, verbose=verbose):
@@ -48,12 +51,19 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
                 collect_ray_logs(logs, None if address else context.address_info.get("session_dir"))
 
 
+def write_run_config(cfg: RunConfig, out: Path) -> Path:
+    """The run's resolved `config.yaml` (settled dtype and memory plan included)."""
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    return path
+
+
 def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         prepare: Callable[[RunConfig], tuple], run: Callable[..., None]) -> int:
     """The entry scripts' `main`: parse `--config` and overrides, check the recipe is for
-    `algorithm`, settle the compute dtype for this machine, check the output folder and the
-    checkpoint to resume from, run `prepare(cfg)` (everything else that can fail on bad input),
-    all before Ray starts; then `run(cfg, *prepared)`. Bad input prints one `error:` line and
+    `algorithm`, settle the compute dtype for this machine, apply `memory.plan: auto`
+    (`with_memory_plan`), check the output folder and the checkpoint to resume from, run
+    `prepare(cfg)` (everything else that can fail on bad input), all before Ray starts; then `run(cfg, *prepared)`. Bad input prints one `error:` line and
     returns 2; an actor that dies or hangs, one line naming it and where to resume, and 1."""
     from rlhf.checkpoint import checkpoint_to_resume
 
@@ -64,11 +74,14 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         if cfg.algorithm != algorithm:
             raise ConfigError(f"algorithm={cfg.algorithm!r}: this script trains {algorithm} recipes "
                               f"(algorithm: {algorithm}); use scripts/train_{cfg.algorithm}.py")
+        cfg = with_memory_plan(cfg, args.config, args.overrides)
         check_output_dir(cfg.output_dir)
         check_model_folder(cfg.model.path)
         if cfg.resume:
             checkpoint_to_resume(cfg.output_dir, cfg.resume)  # verified now: a corrupt one is bad input
         prepared = prepare(cfg)
+        if cfg.learner.lora_rank:
+            check_lora(cfg, prepared[0])  # prepared[0]: the resolved model folder
     except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:  # ConfigError is a ValueError
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -115,6 +128,56 @@ def with_compute_dtype(cfg: RunConfig) -> RunConfig:
         return cfg
     print(f"model.dtype: {cfg.model.dtype} -> {dtype}: {why}")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
+def with_memory_plan(cfg: RunConfig, config_path: str | None, overrides: list[str]) -> RunConfig:
+    """`cfg` with `memory.plan: auto` applied (rlhf/planner.py): the plan's values for the keys that
+    neither the recipe nor the overrides set, printed once; they reach every actor and config.yaml.
+    A recipe that fits nowhere is a ConfigError naming the memory it needs and what to change. On a
+    machine without a GPU and `memory.gpu: auto` there is nothing to plan for: one line says so and
+    the recipe runs as written (CPU runs keep working with the key on)."""
+    if cfg.memory.plan == "off":
+        return cfg
+    from rlhf.config import explicit_keys
+    from rlhf.planner import applied, make_plan, model_shape, no_fit_message, plan_lines
+
+    gpu = planned_gpu(cfg.memory.gpu, cfg.memory.gpu_memory_gib)
+    if gpu is None:
+        print("memory.plan=auto: no GPU here to plan for, the recipe runs as written "
+              "(memory.gpu=KIND plans for one)")
+        return cfg
+    pinned, shape = explicit_keys(config_path, overrides), model_shape(cfg.model.path)
+    plan = make_plan(cfg, shape, gpu, pinned)
+    if plan.best is None:
+        raise ConfigError(f"memory.plan=auto: {no_fit_message(cfg, shape, gpu, plan, pinned)}")
+    kept = f" (kept as set: {', '.join(plan.kept)})" if plan.kept else ""
+    values = " ".join(plan_lines(plan)) or "no changes"
+    print(f"memory plan for {gpu.name} ({gpu.memory_gib:.0f} GiB): {values}{kept}")
+    return applied(cfg, plan)
+
+
+def planned_gpu(kind: str, memory_gib: float = 0.0) -> GpuKind | None:
+    """The planner's GpuKind for `memory.gpu` (`auto`: this machine's GPU 0 by name and memory), its
+    memory replaced by `memory_gib` when > 0; None for `auto` with neither a GPU nor a memory."""
+    from actors.device import gpu_identity
+    from rlhf.planner import gpu_kind, gpu_kind_of_device
+
+    if kind != "auto":
+        return gpu_kind(kind, memory_gib)
+    name, found_gib = gpu_identity() or ("custom GPU", 0.0)
+    return gpu_kind_of_device(name, memory_gib or found_gib) if memory_gib or found_gib else None
+
+
+def check_lora(cfg: RunConfig, model_path: str) -> None:
+    """With `learner.lora_rank > 0`: the target modules exist in the model, and with
+    `lora_sync: adapter` the engine can serve adapters of this architecture, rank and vocabulary."""
+    from rlhf.lora import check_lora as check_targets
+
+    check_targets(cfg, model_path)
+    if cfg.algorithm == "grpo":
+        from actors.vllm_generator import check_lora_serving
+
+        check_lora_serving(cfg, model_path)
 
 
 def check_output_dir(output_dir: str) -> None:

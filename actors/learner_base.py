@@ -37,6 +37,12 @@ Shared choices:
    every new row length compiled anew (measured on an H100: 265 s for the first step of the
    grpo-gpu-scale work), so with a token budget each packed row is topped up to exactly
    `max_tokens_per_micro_batch` by a filler document that only attends to itself.
+9. LoRA (`learner.lora_rank > 0`, rlhf.lora): the model is wrapped by PEFT (`wrap_lora`) before any
+   sharding wrapper sees it; only the adapters train (the optimizer gets them alone) and the
+   reference is the same model under `disable_adapter()`, so no reference copy exists. Weights
+   leave the learner as `learner.lora_sync` says: `merged` (W + alpha/r * B @ A under the HF
+   names, an ordinary full push) or `adapter` (the A/B tensors only, PEFT file names). HF exports
+   are always merged; checkpoints also hold the adapter in PEFT format (`adapter/`).
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -65,7 +72,15 @@ from rlhf.logprobs import (
     shared_prompt_logprobs,
     token_logprobs,
 )
-from rlhf.objectives import reduce_metrics
+from rlhf.lora import (
+    adapter_config,
+    adapter_weights,
+    is_adapter_name,
+    lora_scale,
+    merged_weights,
+    save_adapter,
+)
+from rlhf.objectives import is_max_metric, merge_metrics, reduce_metrics
 from rlhf.protocols import Objective
 from rlhf.types import Batch, StepMetrics
 
@@ -83,6 +98,8 @@ class LearnerRank:
 
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
+        self.lora = learner_cfg.lora_rank > 0  # choice 9
+        self.lora_targets: list[str] = []  # set by wrap_lora's caller when LoRA is on
         self.device = detect_device()
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(compute_dtype)
@@ -113,10 +130,15 @@ class LearnerRank:
         """Clip, step the optimizer and scheduler, zero the grads; return the global grad norm."""
         raise NotImplementedError
 
-    def _full_parameters(self, keep: bool | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(HF name, full tensor) of every weight, one at a time. A rank that does not `keep` them
-        (default: ranks other than 0) may get None. A collective: every rank iterates the same
-        names in the same order."""
+    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, full tensor) of every weight (or of those whose name passes `only`), one at a
+        time; HF names, or PEFT's with LoRA. A rank that does not `keep` them (default: ranks other
+        than 0) may get None. A collective: every rank iterates the same names in the same order."""
+        raise NotImplementedError
+
+    def _peft_model(self) -> torch.nn.Module:
+        """The PEFT-wrapped model (LoRA only), for `disable_adapter`."""
         raise NotImplementedError
 
     def _current_lr(self) -> float:
@@ -176,19 +198,23 @@ class LearnerRank:
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, reference: bool = False) -> torch.Tensor:
-        """Token log-probs [rows, T] of this rank's rows (policy or reference), on CPU."""
-        model = self.reference if reference else self.model
+        """Token log-probs [rows, T] of this rank's rows (policy or reference), on CPU. With LoRA
+        and no separate reference model, the reference is the policy with its adapters off."""
+        model, context = (self.reference if reference else self.model), nullcontext()
+        if reference and model is None and self.lora:  # choice 9
+            model, context = self.model, self._peft_model().disable_adapter()
         if model is None:
             raise RuntimeError("reference log-probs asked for, but the learner was built without a reference")
         was_training = model.training
         model.eval()
         mbs, count = self._aligned_micro_batches(batch)
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for i in range(count):
-            items, mb = mbs[i] if i < len(mbs) else (None, batch.dummy())
-            lp = self._forward_logprobs(model, mb).cpu()
-            if items is not None:
-                out[_item_rows(batch, items), : lp.shape[1]] = lp
+        with context:
+            for i in range(count):
+                items, mb = mbs[i] if i < len(mbs) else (None, batch.dummy())
+                lp = self._forward_logprobs(model, mb).cpu()
+                if items is not None:
+                    out[_item_rows(batch, items), : lp.shape[1]] = lp
         model.train(was_training)
         return out
 
@@ -212,8 +238,7 @@ class LearnerRank:
             if not real:
                 loss, metrics = loss * 0.0, {}
             self._backward(loss * self.world_size)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            merge_metrics(sums, metrics)
         grad_norm = self._optimizer_step()
         self.device.synchronize()
         seconds = time.perf_counter() - start
@@ -242,13 +267,18 @@ class LearnerRank:
         gathered: list[list[str]] = [[] for _ in range(self.world_size)]
         dist.all_gather_object(gathered, sorted(sums))
         keys = sorted(set().union(*gathered))
+        maxima = [k for k in keys if is_max_metric(k)]  # e.g. is/weight_max: a max over ranks, not a sum
+        keys = [k for k in keys if not is_max_metric(k)]
         packed = torch.tensor([sums.get(k, 0.0) for k in keys] + [float(num_tokens)], dtype=torch.float64,
                               device=self._dev)
         dist.all_reduce(packed)
+        top = torch.tensor([sums.get(k, float("-inf")) for k in maxima], dtype=torch.float64, device=self._dev)
+        if maxima:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
         peak = torch.tensor([self.device.peak_memory_gib()], dtype=torch.float64, device=self._dev)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         packed = packed.tolist()
-        values = reduce_metrics([dict(zip(keys, packed[:-1]))])
+        values = reduce_metrics([dict(zip(keys, packed[:-1]))]) | dict(zip(maxima, top.tolist()))
         loss = values.pop("loss", 0.0)
         values.pop("weight", None)
         values["lr"] = self._current_lr()
@@ -257,9 +287,20 @@ class LearnerRank:
 
     # ---------------------------------------------------------------- weights out
 
+    def served_weights(self, keep: bool | None = None, *, sync: bool = True
+                       ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """What leaves the learner, one full tensor at a time (a collective): every parameter in HF
+        names; with LoRA (choice 9) the merged weights, or for a `sync` in `lora_sync: adapter` mode
+        the adapter tensors under PEFT's file names."""
+        if not self.lora:
+            return self._full_parameters(keep)
+        if sync and self.cfg.lora_sync == "adapter":
+            return adapter_weights(self._full_parameters(keep, only=is_adapter_name))
+        return merged_weights(self._full_parameters(keep), lora_scale(self.cfg))
+
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype, *, keep: bool
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full (unsharded) parameters in HF names, grouped into buckets of about `bucket_bytes`.
+        """The weights a sync sends (`served_weights`), grouped into buckets of about `bucket_bytes`.
 
         A collective: every rank iterates and each parameter is gathered once; the ranks that
         `keep` get the full tensors, the others one empty bucket at the end. Peak extra memory on
@@ -267,7 +308,7 @@ class LearnerRank:
         """
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, full in self._full_parameters(keep):
+        for name, full in self.served_weights(keep):
             if keep:
                 bucket.append((name, full.detach().to(dtype)))
                 size += full.numel() * full.element_size()
@@ -294,10 +335,20 @@ class LearnerRank:
     def export_hf(self, model_path: str, out: Path, dtype: torch.dtype) -> None:
         """Write an HF folder (the source model's config/tokenizer plus our weights as safetensors)
         from rank 0, gathering one parameter at a time. A collective."""
-        state = {name: full.detach().to("cpu", dtype) for name, full in self._full_parameters()
+        state = {name: full.detach().to("cpu", dtype) for name, full in self.served_weights(sync=False)
                  if self.rank == 0}
         if self.rank == 0:
             export_hf(state, model_path, out)
+
+    def export_adapter(self, model_path: str, out: Path) -> None:
+        """LoRA: write the adapter as a PEFT folder (`adapter_model.safetensors` + config) from rank
+        0, fp32 as trained. A collective; a no-op without LoRA."""
+        if not self.lora:
+            return
+        named = adapter_weights(self._full_parameters(only=is_adapter_name))
+        tensors = {name: full.detach().to("cpu", torch.float32) for name, full in named if self.rank == 0}
+        if self.rank == 0:
+            save_adapter(tensors, adapter_config(self.cfg, self.lora_targets, model_path), out)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -344,6 +395,22 @@ def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: 
     if fused_head:
         model.set_output_embeddings(LogprobHead(model.get_output_embeddings()))
     return model
+
+
+def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Module, list[str]]:
+    """The model with LoRA adapters on `learner.lora_target_modules` (choice 9) and the resolved
+    target leaf names. PEFT freezes every base parameter; only lora_A/lora_B train. B starts at 0,
+    so the wrapped model computes exactly the base model until the first update."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf.lora import target_modules
+
+    targets = target_modules(cfg, model)
+    if cfg.gradient_checkpointing:  # frozen embeddings: checkpointed layers need an input that requires grad
+        model.enable_input_require_grads()
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=targets, bias="none")
+    return get_peft_model(model, config), targets
 
 
 def output_head(model: torch.nn.Module) -> LogprobHead:

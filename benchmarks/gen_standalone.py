@@ -2,7 +2,7 @@
 
     python benchmarks/gen_standalone.py --recipe <recipe> --out side.json [--ignore-eos] [--repeats 3] key=value ...
 
-The same RunConfig, prompts and sampling as step 0 of our run (`rlhf.grpo.generate_rollouts`
+The same RunConfig, prompts and sampling as step 0 of our run (`rlhf.rollouts.sampling_spec`
 builds the same SamplingSpec), the same generation config (memory share, eager mode, dtype), but
 in this process with nothing else on the device: no Ray, no learner, no sleep mode. The first
 call is step 0 (it pays the engine's warm-up and is left out of the medians); each repeat is one

@@ -132,6 +132,16 @@ class GRPOConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     updates_per_step: int = 1
     """Optimizer passes over each step's rollouts (>1 makes the PPO ratio and clip matter)."""
+    max_staleness: int = 0
+    """Steps the engines may generate ahead of the learners (rlhf.rollouts): 0 is on-policy; with
+    s > 0, step k+s's rollouts are generated with step k's weights while the learners train on
+    step k, so they lag the policy they train by exactly s versions."""
+    is_correction: Literal["auto", "none", "tis", "mis"] = "auto"
+    """Importance weights pi_learner / pi_engine per token on the policy loss, from the learners'
+    recomputed log-probs and the engine's: `tis` truncates them at `is_cap`, `mis` masks tokens
+    above it, `none` leaves them out; `auto` is tis with max_staleness > 0, else none."""
+    is_cap: float = 2.0
+    """The cap of `is_correction` (TRL's vllm_importance_sampling_clip_max)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +202,10 @@ class LearnerConfig:
     Same gradients as fixed micro-batches; less padding and fewer passes when lengths vary."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward. Off by default: large-memory GPUs buy batch size with memory."""
+    reshard_after_forward: bool = True
+    """FSDP2 only: free each layer's gathered parameters after its forward (full shard). Off: they stay
+    until its backward (like FSDP1's SHARD_GRAD_OP): one all-gather per layer less per micro-batch,
+    the whole model's compute-dtype copy more on every rank."""
     fused_head: bool = True
     """LM head and log-softmax fused, chunk by chunk in forward and backward: [tokens x vocab] logits
     never exist (rlhf.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
@@ -328,6 +342,8 @@ def _validate(c: RunConfig) -> None:
     _check(g.clip_high >= 0, "grpo.clip_high", "a number >= 0", g.clip_high)
     _check(g.kl_coef >= 0, "grpo.kl_coef", "a number >= 0", g.kl_coef)
     _check(g.updates_per_step >= 1, "grpo.updates_per_step", "an integer >= 1", g.updates_per_step)
+    _check(g.max_staleness >= 0, "grpo.max_staleness", "an integer >= 0 (0 = on-policy)", g.max_staleness)
+    _check(g.is_cap >= 1 and math.isfinite(g.is_cap), "grpo.is_cap", "a finite number >= 1", g.is_cap)
     _check(d.beta > 0, "dpo.beta", "a number > 0", d.beta)
     _check(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", "a number in [0, 0.5)", d.label_smoothing)
     _check(d.epochs >= 1, "dpo.epochs", "an integer >= 1", d.epochs)
@@ -568,6 +584,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         data = loaded or {}
     return config_from_dict(data, list(overrides))
+
+
+def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str]:
+    """The dotted keys a recipe file and overrides set (what `memory.plan: auto` must not change);
+    a list or a non-section value is one key. Call after `load_config` has validated both."""
+    def leaves(data: Any, prefix: str) -> set[str]:
+        if not isinstance(data, dict):
+            return {prefix}
+        return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in data.items()))
+
+    loaded = yaml.safe_load(Path(path).read_text()) if path is not None else None
+    keys = leaves(loaded, "") - {""} if isinstance(loaded, dict) else set()
+    for item in overrides:
+        path_parts, value = _parse_override(item)
+        keys |= leaves(value, ".".join(path_parts))
+    return keys
 
 
 def config_to_dict(cfg: Any) -> Any:

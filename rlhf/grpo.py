@@ -1,4 +1,4 @@
-"""Synchronous, on-policy GRPO: the whole loop in `run_grpo`, one named call per phase.
+"""GRPO, on-policy or with generation running ahead: the whole loop in `run_grpo`, one named call per phase.
 
 Algorithmic choices (each a config key):
 1. Group-relative advantages: G completions per prompt, A = (r - mean_group) / std_group;
@@ -19,6 +19,12 @@ Algorithmic choices (each a config key):
 7. A reward that fails on a sample (raises, hangs, returns NaN or a non-number, crashes its
    worker) scores 0 there and is counted per cause (rewards.pool choice 4); one that fails on
    every sample for `reward.max_failed_steps` steps in a row stops the run (`RewardFailure`).
+8. Rollouts come from a queue (rlhf.rollouts): with `grpo.max_staleness=s > 0` the engines
+   generate step k+s while the learners train on step k (asynchronous GRPO), and the loop waits
+   for them before pushing weights. The overlap is only in that schedule; each step still reads
+   generate, reward, train, sync. Stale samples are corrected by importance weights
+   (`grpo.is_correction`, rlhf.losses point 5); `async/staleness` logs the lag. Colocated on a
+   GPU, the engines sleep while the learners train, so there the overlap is nil.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from rlhf.evaluate import Evaluator
 from rlhf.metrics import MetricsLogger, PhaseTimer
 from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
-from rlhf.types import PromptRow, RolloutBatch, SamplingSpec, StepMetrics, TrainBatch
+from rlhf.rollouts import RolloutQueue
+from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 
 def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
@@ -46,7 +53,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
     supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
     """
-    start = resume(cfg.output_dir, cfg.resume, cluster.learners, prompts)
+    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg)  # choice 8
+    start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
     evaluator = Evaluator.from_config(cfg, tokenizer) if cfg.eval_every else None
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
@@ -57,12 +65,11 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
-        rows, prompt_ids = map(list, zip(*prompts.take(cfg.grpo.prompts_per_step)))
-        with timer("generate"):
-            rollouts = generate_rollouts(cluster.generator, rows, prompt_ids, cfg, step)
+        with timer("generate"):  # the engines hold the weights of `step` updates
+            rollouts = rollout_queue.next(step, version=step)
         with timer("reward"):
             rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
-                [rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
+                [rollouts.rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
                 [c.token_ids for c in rollouts.completions],  # the scorer decodes them, in one batch
             )
         reward_health.check(rollouts.reward_metrics)
@@ -70,13 +77,15 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
+        with timer("wait_rollouts"):  # weights change only between generations
+            rollout_queue.finish()
         with timer("sync"):
             sync_metrics = cluster.weight_sync.push(version=step + 1)
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
-        log.log(step, {**step_metrics(rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
+        log.log(step, {**step_metrics(step, rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
                        **sync_metrics, **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": prompts.state_dict()})
+            save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()})
     if evaluator is not None:  # the trained policy
         log.log(cfg.grpo.steps, evaluator(cluster.generator))
         evaluator.close()
@@ -115,21 +124,6 @@ def evaluate_if_due(evaluator: Evaluator | None, generator: Generator, step: int
     return evaluator(generator)
 
 
-def generate_rollouts(
-    generator: Generator, rows: list[PromptRow], prompt_ids: list[list[int]], cfg: RunConfig, step: int
-) -> RolloutBatch:
-    """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed
-    run draws the same samples as an uninterrupted one, whatever the number of engines."""
-    gen = cfg.generation
-    sampling = SamplingSpec(
-        n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step, ignore_eos=gen.ignore_eos,
-    )
-    completions = generator.generate(prompt_ids, sampling)
-    return RolloutBatch(rows=rows, prompt_ids=prompt_ids, completions=completions, group_size=cfg.grpo.group_size,
-                        engine_metrics=generator.last_metrics())
-
-
 def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig) -> StepMetrics:
     """Reference/old log-probs when the objective needs them, then the optimizer update(s).
     The generator sleeps meanwhile, so colocated learners get its device memory."""
@@ -144,12 +138,14 @@ def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective,
     return metrics
 
 
-def step_metrics(rollouts: RolloutBatch, batch: TrainBatch, train: StepMetrics, seconds: dict[str, float]
-                 ) -> dict[str, float]:
+def step_metrics(step: int, rollouts: RolloutBatch, batch: TrainBatch, train: StepMetrics,
+                 seconds: dict[str, float]) -> dict[str, float]:
     """The per-step record of metrics.jsonl."""
     r = rollouts.rewards
     lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
     gen_tokens = float(lengths.sum())
+    # The engines' own seconds: with generation running ahead, the loop's wait is shorter.
+    engine_s = [v for k, v in rollouts.engine_metrics.items() if k.startswith("gen/engine") and k.endswith("_s")]
     return {
         "reward/mean": float(r.mean()),
         "reward/std": float(r.std()) if r.numel() > 1 else 0.0,
@@ -165,5 +161,7 @@ def step_metrics(rollouts: RolloutBatch, batch: TrainBatch, train: StepMetrics, 
         "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions) / len(lengths),
         **seconds,
         "throughput/tokens_per_s": (gen_tokens + float(batch.attention_mask.sum())) / seconds["timing/step_s"],
-        "throughput/gen_tokens_per_s": gen_tokens / max(seconds["timing/generate_s"], 1e-9),
+        "throughput/gen_tokens_per_s": gen_tokens / max(max(engine_s, default=seconds["timing/generate_s"]), 1e-9),
+        "async/version": float(rollouts.version),
+        "async/staleness": float(step - rollouts.version),
     }

@@ -9,6 +9,12 @@ GRPO choices:
    outside any trust region anyway. Inside the bound (every realistic step) the loss is exact.
 3. Optional KL penalty to a frozen reference, added per token (GRPO paper), with the k3 estimator
    by default (unbiased, always >= 0, low variance; Schulman 2020).
+5. Off-policy correction (`importance_weights`): the policy term of each token is multiplied by
+   w = pi_prox / pi_behaviour, the learners' log-probs before the update over the engine's that
+   sampled the token: truncated at a cap (`tis`, TRL's token_truncate) or zero above it (`mis`,
+   TRL's token_mask). It corrects stale samples (asynchronous GRPO) and the kernels' train/inference
+   mismatch; the PPO ratio stays against pi_prox, so the trust region is the current policy's
+   (decoupled PPO, as in AReaL). The KL term is not weighted, as in TRL.
 4. Three aggregations over tokens (`loss_agg`), see `grpo_policy_loss`. Each can divide by a
    global `denominator` instead of the local count, so that micro-batch losses add up exactly to
    the full-batch loss (gradient accumulation over micro-batches and ranks).
@@ -28,6 +34,7 @@ LOG_RATIO_CLAMP = 20.0
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+ISCorrection = Literal["none", "tis", "mis"]
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust"]
 
 
@@ -51,6 +58,33 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEsti
         neg = (-d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(neg) - neg - 1.0
     raise ValueError(f"kl estimator must be one of 'k1', 'k2', 'k3', got {kind!r}")
+
+
+def importance_weights(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
+                       mode: ISCorrection, cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token importance weights [B, T] of the policy loss (module docstring, point 5) and their
+    statistics over masked tokens: `is/weight_mean` and `is/weight_max` of the raw ratio and
+    `is/clipped_frac`, the share of tokens the cap changed (truncated or masked).
+
+        w_t = exp(clamp(prox_t - behaviour_t, -20, 20))   (1 off the mask)
+        tis: min(w_t, cap)      mis: w_t if w_t <= cap else 0      none: 1
+    """
+    m = mask.to(prox_logprobs.dtype)
+    log_w = torch.where(m > 0, prox_logprobs - behaviour_logprobs, torch.zeros_like(prox_logprobs))
+    raw = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    over = (raw > cap) & (m > 0)
+    if mode == "tis":
+        weights = raw.clamp(max=cap)
+    elif mode == "mis":
+        weights = raw.masked_fill(over, 0.0)
+    elif mode == "none":
+        weights = torch.ones_like(raw)
+    else:
+        raise ValueError(f"importance-sampling correction must be 'none', 'tis' or 'mis', got {mode!r}")
+    stats = {"is/weight_mean": _masked_mean(raw, m),
+             "is/weight_max": raw.masked_fill(m == 0, 0.0).max() if m.any() else raw.new_tensor(1.0),
+             "is/clipped_frac": _masked_mean(over.to(m.dtype), m) if mode != "none" else raw.new_tensor(0.0)}
+    return weights, stats
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -104,12 +138,14 @@ def grpo_policy_loss(
     entropy: torch.Tensor | None = None,
     max_len: int | None = None,
     denominator: float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO / DAPO / Dr.GRPO clipped policy-gradient loss.
 
         r_t   = exp(clamp(logprobs_t - old_logprobs_t, -20, 20))
-        l_t   = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A)
+        l_t   = -w_t * min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A)
                 + kl_coef * KL_k(logprobs_t, ref_logprobs_t)        (KL term only with ref_logprobs)
+        w_t   = token_weights (importance weights, point 5), 1 when None
         loss  = aggregate_token_loss(l, mask, loss_agg, max_len, denominator)
 
     Args:
@@ -120,6 +156,7 @@ def grpo_policy_loss(
         ref_logprobs: [B, T] reference-model log-probs, or None for no KL term.
         entropy: optional [B, T] token entropies, only reported as a metric.
         max_len, denominator: see `aggregate_token_loss`.
+        token_weights: [B, T] importance weights (`importance_weights`), or None.
 
     Returns:
         (loss scalar, metrics of detached scalars, means over masked tokens):
@@ -134,6 +171,8 @@ def grpo_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     kl = torch.zeros_like(per_token)
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, torch.where(m > 0, ref_logprobs, logprobs), kl_estimator)

@@ -14,8 +14,10 @@ Metrics contract: every call returns python floats that are *sums over the micro
   "loss"    the micro-batch's share of the step loss (already divided by `denominator`);
   "weight"  how many units the other metrics are weighted by (masked tokens for GRPO, pairs for DPO);
   others    metric * weight (e.g. clip_frac times the number of masked tokens).
-Sum the dicts key by key over micro-batches and ranks (an all-reduce SUM), then call
-`reduce_metrics`, which keeps "loss" and "weight" and divides every other key by "weight".
+  *_max     a maximum (e.g. is/weight_max), combined by max instead (`is_max_metric`).
+Sum the dicts key by key over micro-batches and ranks (an all-reduce SUM; MAX for the *_max
+keys: `merge_metrics`), then call `reduce_metrics`, which keeps "loss", "weight" and the maxima
+and divides every other key by "weight".
 """
 
 from __future__ import annotations
@@ -28,27 +30,42 @@ import torch
 
 from rlhf.config import DPOConfig, GRPOConfig
 from rlhf.logprobs import sequence_logprobs
-from rlhf.losses import KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, simpo_loss
+from rlhf.losses import ISCorrection, KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, importance_weights, simpo_loss
 from rlhf.types import PreferenceBatch, TrainBatch
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+
+
+def is_max_metric(key: str) -> bool:
+    """Whether metric `key` is combined by max over micro-batches and ranks (else by sum)."""
+    return key.endswith("_max")
+
+
+def merge_metrics(total: dict[str, float], part: Mapping[str, float]) -> dict[str, float]:
+    """Add one micro-batch's (or rank's) metrics into `total`, in place: sums, maxima for *_max."""
+    for key, value in part.items():
+        if key in total and is_max_metric(key):
+            total[key] = max(total[key], float(value))
+        else:
+            total[key] = total.get(key, 0.0) + float(value)
+    return total
 
 
 def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """Combine objective metrics of several micro-batches (and ranks) into step metrics.
 
         out["loss"] = sum_i parts[i]["loss"];  out["weight"] = W = sum_i parts[i]["weight"]
+        out[k]      = max_i parts[i][k]        for k ending in _max
         out[k]      = sum_i parts[i][k] / W    for every other key (0 when W == 0)
 
     Passing a single dict that is already the key-wise sum over ranks is equally valid.
     """
     total: dict[str, float] = {}
     for part in parts:
-        for key, value in part.items():
-            total[key] = total.get(key, 0.0) + float(value)
+        merge_metrics(total, part)
     weight = total.get("weight", 0.0)
-    kept = ("loss", "weight")
-    return {k: v if k in kept else (v / weight if weight > 0 else 0.0) for k, v in total.items()}
+    return {k: v if k in ("loss", "weight") or is_max_metric(k) else (v / weight if weight > 0 else 0.0)
+            for k, v in total.items()}
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,10 @@ class GRPOObjective:
     `batch.old_logprobs=None` means strictly on-policy (one update per step): old = current
     log-probs detached, so the ratio is exactly 1. With `batch.sampler_logprobs` the metrics also
     carry "mismatch/logprob_abs_diff", the mean |log p_learner - log p_sampler| over masked tokens.
+
+    is_correction (`tis`/`mis`, cap `is_cap`): each token's policy term is weighted by old (the
+    proximal policy) over the sampler's probability (rlhf.losses point 5); the metrics then carry
+    `is/weight_mean`, `is/weight_max` and `is/clipped_frac`. Needs `batch.sampler_logprobs`.
     """
 
     clip_low: float = 0.2
@@ -70,6 +91,8 @@ class GRPOObjective:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     max_len: int | None = None
+    is_correction: ISCorrection = "none"
+    is_cap: float = 2.0
 
     def __post_init__(self) -> None:
         if self.loss_agg not in get_args(LossAgg):
@@ -87,9 +110,14 @@ class GRPOObjective:
 
     @classmethod
     def from_config(cls, cfg: GRPOConfig, *, max_len: int | None = None) -> GRPOObjective:
-        """From the `grpo` config section; max_len = generation.max_new_tokens (needed by Dr.GRPO)."""
+        """From the `grpo` config section; max_len = generation.max_new_tokens (needed by Dr.GRPO).
+        `is_correction: auto` is tis with asynchronous generation (max_staleness > 0), else none."""
+        correction = cfg.is_correction
+        if correction == "auto":
+            correction = "tis" if cfg.max_staleness > 0 else "none"
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
-                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, max_len=max_len)
+                   kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, max_len=max_len,
+                   is_correction=correction, is_cap=cfg.is_cap)
 
     def num_units(self, batch: TrainBatch) -> float:
         """This batch's share of the step denominator: masked tokens (token-mean) or sequences."""
@@ -109,14 +137,23 @@ class GRPOObjective:
         mask = batch.loss_mask.to(dev)
         old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dev)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev)
+        weights, is_stats = None, {}
+        if self.is_correction != "none":
+            if batch.sampler_logprobs is None:
+                raise ValueError(f"is_correction={self.is_correction!r} needs batch.sampler_logprobs (the engine's)")
+            weights, is_stats = importance_weights(old, batch.sampler_logprobs.to(dev), mask, self.is_correction,
+                                                   self.is_cap)
         loss, stats = grpo_policy_loss(
             logprobs, old, batch.advantages.to(dev), mask, clip_low=self.clip_low, clip_high=self.clip_high,
             loss_agg=self.loss_agg, ref_logprobs=ref, kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator, max_len=self.max_len, denominator=denominator,
+            kl_estimator=self.kl_estimator, max_len=self.max_len, denominator=denominator, token_weights=weights,
         )
         weight = float(mask.sum())
         metrics = {"loss": float(loss.detach()), "weight": weight}
         metrics.update({k: float(v) * weight for k, v in stats.items()})
+        metrics.update({k: float(v) * weight for k, v in is_stats.items() if not k.endswith("_max")})
+        if "is/weight_max" in is_stats:  # a maximum, not a weighted sum: reduce_metrics takes the max
+            metrics["is/weight_max"] = float(is_stats["is/weight_max"])
         if batch.sampler_logprobs is not None:
             diff = (logprobs.detach() - batch.sampler_logprobs.to(dev)).abs()
             metrics["mismatch/logprob_abs_diff"] = float(diff.masked_fill(~mask.bool(), 0.0).sum())

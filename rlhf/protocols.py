@@ -19,8 +19,25 @@ from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics
 Objective = Callable[[torch.Tensor, Batch, float], tuple[torch.Tensor, dict[str, float]]]
 
 
+class PendingGeneration(Protocol):
+    """A generation running on the engines (`Generator.submit`)."""
+
+    def result(self) -> list[Completion]:
+        """Wait for the completions; the same grouping as `Generator.generate`'s."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """What `Generator.last_metrics` says of this generation, once `result` has returned."""
+        ...
+
+
 class Generator(Protocol):
     """Samples completions from the current policy weights."""
+
+    def submit(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> PendingGeneration:
+        """Start `generate` and return at once. The loop pushes no weights while a generation runs
+        (rlhf.rollouts choice 2), so it samples from the weights of when it was submitted."""
+        ...
 
     def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped: result[i*n:(i+1)*n] answer prompt i.

@@ -96,6 +96,9 @@ class RolloutBatch:
     reward_metrics: dict[str, float] = field(default_factory=dict)
     engine_metrics: dict[str, float] = field(default_factory=dict)
     """Per-engine generation figures of the step (Generator.last_metrics)."""
+    version: int = 0
+    """The weight version that generated every completion: the number of optimizer steps behind it
+    (rlhf.rollouts choice 2)."""
 
 
 @dataclass

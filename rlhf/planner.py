@@ -1,0 +1,625 @@
+"""Memory planner: fit a recipe to a GPU's memory, and spend spare memory on speed.
+
+    shape = model_shape(cfg.model.path)
+    plan = make_plan(cfg, shape, gpu_kind("h200-141gb"), pinned=explicit_keys(path, overrides))
+    plan.values  # {"learner.max_tokens_per_micro_batch": 16384, "generation.gpu_memory_utilization": 0.15}
+
+Everything here is arithmetic on the model's shape (its `config.json`, or the table `KNOWN_SHAPES`
+for hub ids that cannot be read offline) and the recipe's batch shape; nothing is allocated.
+
+Choices:
+1. The memory model, per GPU, in bytes (P = parameters, T = trainable parameters, N = learner
+   ranks, b = bytes of `model.dtype`: 2 for bf16, 4 for fp32):
+   - FSDP2 (actors/fsdp2_learner.py) keeps fp32 parameters sharded (4P/N: they are the masters) and
+     casts to `model.dtype` for compute (MixedPrecisionPolicy); the cast, gathered copies are
+     transient: the root module (embeddings, head) plus two decoder layers with
+     `reshard_after_forward` (full shard), the whole model b*P without it (SHARD_GRAD_OP-like:
+     no all-gather in backward, the copy lives from forward to backward).
+   - DeepSpeed (actors/deepspeed_learner.py) in bf16 keeps the module in bf16 (2P on every rank with
+     ZeRO-2, 2P/N with ZeRO-3, none with `offload_params`) plus fp32 masters 4T/N; in fp32 the
+     module is the master.
+   - Gradients fp32 (both reduce and accumulate in fp32): 4T/N. Adam: 8T/N (two fp32 moments).
+     DeepSpeed's `offload_optimizer` moves masters, moments and gradient partitions to the host.
+   - A reference model (DPO without `precompute_ref`, GRPO with `kl_coef > 0`, not with LoRA) is
+     another sharded copy: fp32 under FSDP2, bf16 ZeRO-3 under DeepSpeed.
+   - Activations per token per decoder layer: b * (22h + 4f + 2a) bytes (h hidden, f MLP width,
+     a heads). The textbook 34h + 5as (Korthikanti et al. 2022) is for a 4h GELU MLP and eager
+     attention; with SDPA/flash the s^2 term is gone (only the output and its log-sum-exp are
+     saved) and the SwiGLU MLP saves gate, up, act and product (4f). 22h is fitted to one
+     measurement (benchmarks/README.md, grpo-gpu-scale 1gpu: Qwen2.5-1.5B, micro-batch 16 rows,
+     about 4.5k tokens, learner peak 40.3 GiB on an H100); HF's fp32 RMSNorm upcasts are in it.
+     The issue's H200 run at micro-batch 64 peaked at 116 GiB, how measured is not recorded
+     (nvidia-smi's whole-GPU peak also holds vLLM's sleeping pool, the contexts and the allocator's
+     cache); this model predicts 92 GiB for that learner: the +-10% check on GPUs is still to do.
+     With activation checkpointing only each layer's input stays (b*h per token per layer) plus
+     one layer's full set during its recomputation.
+   - Logits: with `fused_head` one chunk of 1024 tokens x vocab (bf16 logits, their fp32 copy and
+     gradient, 10 bytes an entry); without it [tokens x vocab] in bf16 plus its gradient (2b bytes
+     an entry: the 2.7 GiB that the fused head saved at micro-batch 16, benchmarks/README.md).
+   - vLLM: weights b*P/TP, KV cache 2 * layers * kv_heads * head_dim * b bytes per token, for every
+     sequence an engine holds at once (its share of the step's samples, at most max_num_seqs), of
+     prompt + completion length, plus 2.5 GiB for its activations, sampler and CUDA graphs.
+   - Per process, a CUDA context and NCCL buffers: 0.75 GiB. A margin of 10% of the GPU is kept for
+     the caching allocator's fragmentation (the gap between allocated and reserved memory).
+2. Phases, colocated: vLLM sleeps at level 2 while the learner trains (weights and KV released, its
+   CUDA-graph pool of about 1 GiB stays), and the learner's persistent state (parameters,
+   gradients, optimizer, reference) stays on the GPU while vLLM generates. A GPU must hold the
+   larger of the two phases. Split: learner GPUs hold the learner peak, generator GPUs vLLM alone.
+3. The step-time model covers the learner only (generation does not depend on these settings,
+   given enough KV cache): model FLOPs (rlhf/flops.py) / (MFU * peak), where MFU grows with the
+   micro-batch's tokens t as 0.30 * t / (t + 2750). Calibrated on one H200, Qwen2.5-1.5B, 64 x 8
+   samples of about 290 tokens: micro-batch 16 -> 64 rows took the learner from 7.3 to 5.25 s
+   (the issue's measurement; predicted 7.5 and 5.4 s); the H100's 7.13 s at micro-batch 16 (same
+   bf16 peak) is within 6% of it. Activation
+   checkpointing costs one more forward (+33%); FSDP/ZeRO collectives over 200 GB/s, half hidden
+   behind compute; offload moves parameters or gradients over 25 GB/s PCIe, and the host's Adam
+   runs at 1e9 parameters/s. The fastest candidate that fits wins; ties go to fewer changes from
+   the recipe, then to less memory. So more memory never plans a slower step, and at a given
+   checkpointing setting never a smaller micro-batch; across it the budget can shrink (with little
+   memory, recomputation buys a large micro-batch; with more, a smaller one without it is faster).
+4. Keys set in the recipe or on the command line are pinned: the planner evaluates them but never
+   changes them (`learner.micro_batch_size` and `learner.max_tokens_per_micro_batch` are one
+   decision: pinning either pins the micro-batch). Placement, engine count and TP are the recipe's
+   (they decide how many GPUs the run takes); `--gpus N` sets the learner ranks when not pinned.
+   The planner's micro-batches are token budgets (1, 2, 3, 4, 6, 8, 12, ... rows of the longest
+   length), which bound a micro-batch's tokens whatever the lengths; a pinned row count is planned
+   at the longest rows (data.max_prompt_tokens + generation.max_new_tokens), since a micro-batch is
+   padded to its longest row. vLLM's share (`gpu_memory_utilization`) is computed, not searched:
+   enough KV cache for the step's sequences, as far as the generation phase leaves room.
+5. Why not a library: `accelerate estimate-memory` (installed) gives a hub model's size per dtype
+   and "Adam ~ 4x the model", the easy, exact part that `ModelShape.params` computes here in a few
+   lines, but it builds the model on the meta device through transformers from the hub (no use
+   offline, slow to import) and knows nothing of activations, vLLM, sleep phases or our sharding
+   modes. `llm-analysis` (last release 2023) models Megatron-style training and inference, not a
+   colocated engine, sleep mode or FSDP2, and would be a new dependency for a few formulas. The
+   exact parts (parameter, gradient, optimizer, KV bytes) are checked by hand-computed tests, the
+   fitted ones against the measurements above.
+6. GPU memory is the total that PyTorch reports for the device (actors/device.py). An MI250X package
+   is two devices of 64 GiB each to PyTorch, so `mi250x-128gb` plans for 64 GiB at half the
+   package's bf16 peak (actors/device.py lists the package's 383 TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.config import ConfigError, RunConfig, config_to_dict
+from rlhf.flops import train_flops_per_token
+
+GIB = 2**30
+ACT_HIDDEN, ACT_MLP, ACT_HEADS = 22, 4, 2  # activation elements per token per layer: 22h + 4f + 2a
+HEAD_CHUNK_TOKENS = 1024  # rlhf.logprobs.DEFAULT_CHUNK_TOKENS
+VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
+VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
+CONTEXT_GIB = 0.75  # CUDA context + NCCL buffers per process on a GPU
+FRAGMENTATION = 0.10  # share of the GPU kept free for the caching allocator
+VLLM_DEFAULT_MAX_SEQS = 1024
+MFU_MAX, MFU_HALF_TOKENS = 0.30, 2750.0
+RECOMPUTE = 4 / 3
+LINK_BYTES_S, PCIE_BYTES_S, HOST_ADAM_PARAMS_S = 200e9, 25e9, 1e9
+
+
+@dataclass(frozen=True)
+class GpuKind:
+    """A GPU as the planner sees it: memory per device and dense bf16 peak."""
+
+    name: str
+    memory_gib: float
+    peak_tflops: float
+    device_names: tuple[str, ...] = ()
+    """Substrings of the device names (as PyTorch reports them) that are this kind."""
+
+
+GPU_KINDS: dict[str, GpuKind] = {k.name: k for k in (
+    GpuKind("h100-80gb", 79.2, 989.0, ("H100",)),
+    GpuKind("h200-141gb", 139.8, 989.0, ("H200",)),
+    GpuKind("mi300x-192gb", 191.5, 1307.0, ("MI300X",)),
+    GpuKind("mi250x-128gb", 64.0, 191.5, ("MI250X", "MI250")),  # per device (choice 6)
+    GpuKind("a100-80gb", 79.2, 312.0, ("A100",)),
+)}
+
+
+def gpu_kind(name: str, memory_gib: float = 0.0) -> GpuKind:
+    """The kind called `name`, with `memory_gib` replacing its memory when > 0."""
+    if name not in GPU_KINDS:
+        raise ConfigError(f"unknown GPU kind {name!r}: known are {', '.join(GPU_KINDS)} and auto; for any "
+                          f"other GPU give its memory (--gpu-memory-gib G, memory.gpu_memory_gib=G)")
+    kind = GPU_KINDS[name]
+    return dataclasses.replace(kind, memory_gib=memory_gib) if memory_gib > 0 else kind
+
+
+def gpu_kind_of_device(device_name: str, memory_gib: float) -> GpuKind:
+    """The kind of a detected device (by name), with its measured memory; an unknown device plans
+    with its own memory and the H100's peak (the peak only ranks candidates of one GPU)."""
+    for kind in GPU_KINDS.values():
+        if any(s in device_name for s in kind.device_names):
+            return dataclasses.replace(kind, memory_gib=memory_gib)
+    return GpuKind(device_name, memory_gib, GPU_KINDS["h100-80gb"].peak_tflops)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama/Qwen2-style decoder's shape, with HF config.json's names (so rlhf.flops reads it)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    """q/k/v biases (Qwen2 has them)."""
+    head_dim: int = 0
+    """0: hidden_size // num_attention_heads."""
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def layer_params(self) -> int:
+        h = self.hidden_size
+        q, kv = self.num_attention_heads * self.head_size, self.num_key_value_heads * self.head_size
+        attention = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.attention_bias else 0)
+        return attention + 3 * h * self.intermediate_size + 2 * h  # + two RMSNorm weights
+
+    def params(self) -> int:
+        """Every parameter: embeddings, the head unless tied, the layers, the final norm."""
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * self.layer_params() \
+            + self.hidden_size
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA adapter parameters of rank `rank` on every linear layer of the decoder (A: r x in,
+        B: out x r); other target lists are counted the same (an upper bound)."""
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_size, self.num_key_value_heads * self.head_size
+        per_layer = (h + q) * 2 + (h + kv) * 2 + (h + f) * 3
+        return rank * per_layer * self.num_hidden_layers
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_size * dtype_bytes
+
+
+def _qwen2(h: int, layers: int, heads: int, kv: int, f: int, vocab: int, tied: bool) -> ModelShape:
+    return ModelShape(h, layers, heads, kv, f, vocab, tied, attention_bias=True)
+
+
+# Shapes of hub models, for when config.json cannot be read (offline). Keys: the model's name,
+# lower case, without an `-instruct` suffix.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "qwen2.5-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": _qwen2(1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-3b": _qwen2(2048, 36, 16, 2, 11008, 151936, True),
+    "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-14b": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
+    "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
+    "smollm2-135m": ModelShape(576, 30, 9, 3, 1536, 49152, True),
+    "smollm2-360m": ModelShape(960, 32, 15, 5, 2560, 49152, True),
+    "smollm2-1.7b": ModelShape(2048, 24, 32, 32, 8192, 49152, True),
+    # rlhf.models' random test models (vocab: the 1024-token tokenizer it builds)
+    "tiny-qwen2": ModelShape(128, 2, 2, 1, 256, 1024, False, attention_bias=True),
+    "tiny-llama": ModelShape(128, 2, 2, 1, 256, 1024, False, head_dim=64),
+}
+
+
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
+    """A ModelShape from a parsed HF config.json."""
+    heads = config["num_attention_heads"]
+    return ModelShape(
+        hidden_size=config["hidden_size"], num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        head_dim=config.get("head_dim") or 0)
+
+
+def model_shape(path: str) -> ModelShape:
+    """The shape of `model.path`: its config.json (a local folder, or a built-in name's cached
+    folder), else the table of known hub models by name."""
+    from rlhf.assets import model_dir  # light: no transformers import
+
+    for folder in (Path(path).expanduser(), model_dir(path) if "/" not in path else None):
+        if folder is not None and (folder / "config.json").is_file():
+            return shape_from_config(json.loads((folder / "config.json").read_text()))
+    name = path.rstrip("/").split("/")[-1].lower().removesuffix("-instruct")
+    if name not in KNOWN_SHAPES:
+        raise ConfigError(f"model.path={path!r}: no config.json to read and not a known shape "
+                          f"({', '.join(KNOWN_SHAPES)}); give a local model folder")
+    return KNOWN_SHAPES[name]
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Per-GPU memory of one candidate, in GiB (module docstring, choice 1)."""
+
+    weights: float
+    """Parameters in the compute dtype: resident (DeepSpeed) plus transient gathered copies."""
+    masters: float
+    gradients: float
+    optimizer: float
+    reference: float
+    activations: float
+    logits: float
+    learner_peak: float
+    """Everything above: the learner's allocated peak (what `memory/learner_peak_gib` measures)."""
+    learner_resident: float
+    """What the learner keeps on the GPU while vLLM generates (choice 2)."""
+    vllm_weights: float
+    vllm_kv: float
+    vllm_kv_needed: float
+    """KV cache that holds every sequence an engine decodes at once."""
+    vllm_asleep: float
+    """What a sleeping engine keeps while the learner trains (colocated)."""
+    contexts: float
+    """CUDA contexts and NCCL buffers of the processes on the GPU."""
+    margin: float
+    """Kept free for the allocator's fragmentation."""
+    need: float
+    """Memory the GPU must have for the busiest phase."""
+    tokens: int
+    """Tokens of the largest micro-batch."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    values: dict[str, Any]
+    """The memory keys of this candidate, dotted."""
+    breakdown: Breakdown
+    learner_s: float
+    """Predicted learner seconds per step (choice 3)."""
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: RunConfig
+    """The config planned for (before the plan's values)."""
+    gpu: GpuKind
+    best: Candidate | None
+    candidates: list[Candidate]
+    values: dict[str, Any]
+    """What the plan changes against the config: dotted key -> value."""
+    kept: list[str]
+    """Pinned memory keys (set in the recipe or the overrides)."""
+
+
+PLAN_KEYS = ("learner.backend", "learner.num_ranks", "learner.zero_stage", "learner.reshard_after_forward",
+             "learner.offload_optimizer", "learner.offload_params", "learner.gradient_checkpointing",
+             "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
+             "generation.gpu_memory_utilization")
+
+
+def row_tokens(cfg: RunConfig) -> int:
+    """Longest sequence of a step (the planner's unit): prompt + completion, or DPO's max_length."""
+    if cfg.algorithm == "dpo":
+        return cfg.dpo.max_length
+    return cfg.data.max_prompt_tokens + cfg.generation.max_new_tokens
+
+
+def step_rows(cfg: RunConfig) -> int:
+    """Sequences the learners train on per step: GRPO's samples, or DPO's pairs twice."""
+    if cfg.algorithm == "dpo":
+        return cfg.dpo.pairs_per_step * 2
+    return cfg.grpo.prompts_per_step * cfg.grpo.group_size
+
+
+def micro_batch_tokens(cfg: RunConfig) -> int:
+    """Tokens of the largest micro-batch: the token budget (at least one row), else rows x length."""
+    budget, row = cfg.learner.max_tokens_per_micro_batch, row_tokens(cfg)
+    rows_per_rank = math.ceil(step_rows(cfg) / cfg.learner.num_ranks)
+    return max(budget, row) if budget else min(cfg.learner.micro_batch_size, rows_per_rank) * row
+
+
+def engines(cfg: RunConfig) -> int:
+    """vLLM engines of the run (`auto`: one per learner colocated, one split; 0 for DPO)."""
+    if cfg.algorithm == "dpo":
+        return 0
+    auto = cfg.learner.num_ranks if cfg.cluster.placement == "colocated" else 1
+    return auto if cfg.cluster.generator_engines == "auto" else cfg.cluster.generator_engines
+
+
+def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
+    """Per-GPU memory of `cfg` on `gpu` (choices 1 and 2)."""
+    l, n = cfg.learner, cfg.learner.num_ranks
+    b = 4 if cfg.model.dtype == "float32" else 2
+    p, layer = shape.params(), shape.layer_params()
+    t = shape.lora_params(l.lora_rank) if l.lora_rank else p
+    root = p - shape.num_hidden_layers * layer  # embeddings, head, final norm
+    fsdp, stage3 = l.backend == "fsdp2", l.zero_stage == 3
+    gathered = b * (p if fsdp and not l.reshard_after_forward else root + 2 * layer) if fsdp or stage3 else 0
+    if fsdp:
+        module, masters = 0.0, 4 * p / n
+    else:
+        module = 0 if (stage3 and l.offload_params) else b * p / (n if stage3 else 1)
+        masters = 0 if (b == 4 or l.offload_optimizer) else 4 * t / n
+    weights = module + gathered
+    host_opt = not fsdp and l.offload_optimizer
+    grads = 0 if host_opt else 4 * t / n
+    optimizer = 0 if host_opt else 8 * t / n
+    grpo_ref, dpo_ref = cfg.grpo.kl_coef > 0, not cfg.dpo.precompute_ref
+    with_ref = not l.lora_rank and (grpo_ref if cfg.algorithm == "grpo" else dpo_ref)
+    reference = (4 if fsdp else 2) * p / n if with_ref else 0
+    tokens = micro_batch_tokens(cfg)
+    h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
+    per_layer = b * (ACT_HIDDEN * h + ACT_MLP * f + ACT_HEADS * a) * tokens
+    activations = (b * h * tokens * shape.num_hidden_layers + per_layer if l.gradient_checkpointing
+                   else per_layer * shape.num_hidden_layers)
+    logits = (10 * min(tokens, HEAD_CHUNK_TOKENS) if l.fused_head else 2 * b * tokens) * shape.vocab_size
+    peak = weights + masters + grads + optimizer + reference + activations + logits
+    resident = module + masters + grads + optimizer + reference
+    e, tp = engines(cfg), cfg.cluster.generator_tp
+    vllm_weights = b * p / tp if e else 0
+    max_seqs = cfg.generation.max_num_seqs or VLLM_DEFAULT_MAX_SEQS
+    seqs = min(math.ceil(step_rows(cfg) / e), max_seqs) if e else 0
+    kv_heads_share = max(1, shape.num_key_value_heads // tp) / shape.num_key_value_heads
+    kv_needed = seqs * row_tokens(cfg) * shape.kv_bytes_per_token(b) * kv_heads_share
+    mem = gpu.memory_gib * GIB
+    vllm_budget = cfg.generation.gpu_memory_utilization * mem if e else 0
+    vllm_kv = max(0.0, vllm_budget - vllm_weights - VLLM_OVERHEAD_GIB * GIB)
+    margin = FRAGMENTATION * mem
+    colocated = cfg.cluster.placement == "colocated" and e > 0
+    asleep = VLLM_ASLEEP_GIB * GIB if colocated else 0
+    contexts = (2 if colocated else 1) * CONTEXT_GIB * GIB
+    # colocated: the larger of training (vLLM asleep) and generating (the learner's state resident);
+    # otherwise the learner's GPUs (split generator GPUs are checked in `vllm_fits`)
+    need = max(peak + asleep, resident + vllm_budget if colocated else 0) + contexts + margin
+    g = 1 / GIB
+    return Breakdown(weights * g, masters * g, grads * g, optimizer * g, reference * g, activations * g,
+                     logits * g, peak * g, resident * g, vllm_weights * g, vllm_kv * g, kv_needed * g,
+                     asleep * g, contexts * g, margin * g, need * g, tokens)
+
+
+def vllm_fits(bd: Breakdown, cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> bool:
+    """vLLM's share holds its weights, its overhead and at least one full-length sequence."""
+    if not engines(cfg):
+        return True
+    b = 4 if cfg.model.dtype == "float32" else 2
+    one_row = row_tokens(cfg) * shape.kv_bytes_per_token(b) / cfg.cluster.generator_tp / GIB
+    share = cfg.generation.gpu_memory_utilization * gpu.memory_gib
+    # split: the GPU is vLLM's, whose own pool needs no fragmentation margin
+    split_ok = cfg.cluster.placement == "colocated" or share + CONTEXT_GIB <= gpu.memory_gib
+    return split_ok and share >= bd.vllm_weights + VLLM_OVERHEAD_GIB + one_row
+
+
+def predicted_learner_peak_gib(cfg: RunConfig, gpu: str = "h100-80gb") -> float:
+    """The learner's predicted allocated peak for `cfg` (compare with `memory/learner_peak_gib`)."""
+    return breakdown(cfg, model_shape(cfg.model.path), gpu_kind(gpu)).learner_peak
+
+
+def learner_seconds(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> float:
+    """Predicted learner seconds per step (choice 3)."""
+    l, n = cfg.learner, cfg.learner.num_ranks
+    row, rows = row_tokens(cfg), math.ceil(step_rows(cfg) / n)
+    tokens = micro_batch_tokens(cfg)
+    micro = math.ceil(rows * row / tokens)
+    mfu = MFU_MAX * tokens / (tokens + MFU_HALF_TOKENS)
+    flops = rows * row * train_flops_per_token(shape, row) * (RECOMPUTE if l.gradient_checkpointing else 1)
+    seconds = flops / (mfu * gpu.peak_tflops * 1e12)
+    b, p = (4 if cfg.model.dtype == "float32" else 2), shape.params()
+    if n > 1:  # per micro-batch: gathers forward (and backward when resharded), gradient reduce-scatter
+        full_shard = l.reshard_after_forward if l.backend == "fsdp2" else l.zero_stage == 3
+        gathers = 2 if full_shard else 1 if l.backend == "fsdp2" else 0
+        volume = (gathers * b + 4) * p * (n - 1) / n
+        seconds += 0.5 * micro * volume / LINK_BYTES_S
+    if l.backend == "deepspeed" and l.offload_optimizer:
+        seconds += 6 * p / n / PCIE_BYTES_S + p / n / HOST_ADAM_PARAMS_S
+    if l.backend == "deepspeed" and l.zero_stage == 3 and l.offload_params:
+        seconds += micro * 2 * b * p / n / PCIE_BYTES_S
+    return seconds
+
+
+def _with(cfg: RunConfig, values: dict[str, Any]) -> RunConfig:
+    """`cfg` with dotted `values` replaced (no validation: candidates are built valid)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    replaced = {s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in sections.items()}
+    return dataclasses.replace(cfg, **replaced)
+
+
+def _get(cfg: RunConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _choices(cfg: RunConfig, pinned: set[str], gpus: int) -> list[dict[str, Any]]:
+    """Every candidate assignment of the unpinned memory keys (choice 4)."""
+    free = {k for k in PLAN_KEYS if k not in pinned}
+    if {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"} & pinned:
+        free -= {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}
+    ranks = [cfg.learner.num_ranks]
+    if gpus and "learner.num_ranks" in free:  # split: what one engine (or the pinned engines) leave free
+        engine_gpus = (1 if cfg.cluster.generator_engines == "auto" else cfg.cluster.generator_engines) \
+            * cfg.cluster.generator_tp
+        ranks = [max(1, gpus - engine_gpus) if cfg.cluster.placement == "split" else gpus]
+    options: dict[str, list[Any]] = {
+        "learner.num_ranks": ranks,
+        "learner.backend": ["fsdp2", "deepspeed"],
+        "learner.zero_stage": [2, 3],
+        "learner.reshard_after_forward": [True, False],
+        "learner.offload_optimizer": [False, True],
+        "learner.offload_params": [False, True],
+        "learner.gradient_checkpointing": [False, True],
+    }
+    keys = [k for k in options if k in free]
+    out = []
+    for combo in itertools.product(*(options[k] for k in keys)):
+        values = {k: _get(cfg, k) for k in PLAN_KEYS if k in options} | dict(zip(keys, combo))
+        fsdp = values["learner.backend"] == "fsdp2"
+        if fsdp and (values["learner.offload_optimizer"] or values["learner.offload_params"]):
+            continue  # the FSDP2 learner has no offload
+        if not fsdp and values["learner.offload_params"] and values["learner.zero_stage"] != 3:
+            continue
+        # a key the backend ignores keeps the recipe's value, so candidates differ in what matters
+        ignored = "learner.zero_stage" if fsdp else "learner.reshard_after_forward"
+        values[ignored] = _get(cfg, ignored)
+        if "learner.micro_batch_size" in free:
+            for rows in _row_counts(math.ceil(step_rows(cfg) / values["learner.num_ranks"])):
+                out.append(values | {"learner.micro_batch_size": rows,
+                                     "learner.max_tokens_per_micro_batch": rows * row_tokens(cfg)})
+        else:
+            out.append(values)
+    unique = {tuple(v.items()): v for v in out}
+    return list(unique.values())
+
+
+def _row_counts(rows_per_rank: int) -> list[int]:
+    """Micro-batch sizes tried, in rows: 1, 2, 3, 4, 6, 8, 12, ... (steps of 1.5x and 1.33x), up to
+    the rank's whole share of the step."""
+    powers = [2**k for k in range(rows_per_rank.bit_length())]
+    sizes = {r for p in powers for r in (p, 3 * p // 2) if 0 < r < rows_per_rank}
+    return sorted(sizes | {rows_per_rank})
+
+
+def _utilization(cfg: RunConfig, bd: Breakdown, gpu: GpuKind) -> float:
+    """vLLM's share: enough for its weights, overhead and the step's sequences, as far as the
+    generation phase leaves room (colocated), else 0.9 (split: the GPU is vLLM's alone); in steps of
+    0.05, at least 0.1 (vLLM's start-up profile and CUDA graphs need room even for a small model)."""
+    if cfg.cluster.placement == "split":
+        return 0.9
+    room = (1 - FRAGMENTATION) * gpu.memory_gib - 2 * CONTEXT_GIB - bd.learner_resident
+    want = bd.vllm_weights + VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
+    return max(0.1, min(math.ceil(20 * want / gpu.memory_gib), math.floor(20 * room / gpu.memory_gib)) / 20)
+
+
+def evaluate(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, values: dict[str, Any],
+             set_utilization: bool) -> Candidate:
+    """One candidate: its breakdown, predicted learner time, and whether it fits."""
+    c = _with(cfg, values)
+    if set_utilization and engines(c):
+        u = _utilization(c, breakdown(c, shape, gpu), gpu)
+        values = values | {"generation.gpu_memory_utilization": u}
+        c = _with(c, {"generation.gpu_memory_utilization": u})
+    bd = breakdown(c, shape, gpu)
+    fits = bd.need <= gpu.memory_gib and vllm_fits(bd, c, shape, gpu)
+    return Candidate(values, bd, learner_seconds(c, shape, gpu), fits)
+
+
+def make_plan(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, pinned: set[str] = frozenset(),
+              gpus: int = 0) -> Plan:
+    """The fastest candidate that fits `gpu` (None if none does), keeping `pinned` keys as set;
+    `gpus` > 0 sets the learner ranks (when not pinned) for a run of that many GPUs."""
+    free_util = "generation.gpu_memory_utilization" not in pinned
+    candidates = [evaluate(cfg, shape, gpu, v, free_util) for v in _choices(cfg, pinned, gpus)]
+    fitting = [c for c in candidates if c.fits]
+
+    def changes(c: Candidate) -> int:
+        return sum(v != _get(cfg, k) for k, v in c.values.items())
+
+    best = min(fitting, key=lambda c: (round(c.learner_s, 3), changes(c), c.breakdown.need), default=None)
+    values = {k: v for k, v in best.values.items() if v != _get(cfg, k)} if best else {}
+    kept = [k for k in PLAN_KEYS if k in pinned]
+    return Plan(cfg, gpu, best, candidates, values, kept)
+
+
+def min_memory_gib(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, pinned: set[str],
+                   gpus: int = 0) -> float | None:
+    """The least memory per GPU (to 0.5 GiB) at which some candidate fits; None if not even 4 TiB."""
+    def fits(gib: float) -> bool:
+        return make_plan(cfg, shape, dataclasses.replace(gpu, memory_gib=gib), pinned, gpus).best is not None
+
+    low, high = 0.0, 4096.0
+    if not fits(high):
+        return None
+    while high - low > 0.5:
+        middle = (low + high) / 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
+def no_fit_message(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, plan: Plan, pinned: set[str],
+                   gpus: int = 0) -> str:
+    """One line: the smallest memory per GPU the recipe needs and the setting to change."""
+    where = f"{gpu.memory_gib:g} GiB ({gpu.name})"
+    as_set = min_memory_gib(cfg, shape, gpu, pinned, gpus)
+    needs = f"needs {as_set:.1f} GiB per GPU as set" if as_set else "fits no GPU as set"
+    micro = {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}
+    fixes = []  # one pinned key (the micro-batch pair counts as one) set free at a time
+    for key in sorted(set(PLAN_KEYS) & pinned):
+        freed = make_plan(cfg, shape, gpu, pinned - (micro if key in micro else {key}), gpus)
+        if freed.best is not None:
+            fixes.append((freed.best.learner_s, _settings(freed.values, pinned)))
+    unpinned = make_plan(cfg, shape, gpu, set(), gpus)
+    if fixes or unpinned.best is not None:
+        fix = min(fixes)[1] if fixes else _settings(unpinned.values, pinned)
+        return (f"the recipe {needs}, more than {where}; change the keys it sets: {fix} "
+                f"(or leave them out and let memory.plan choose)")
+    if engines(cfg) and cfg.cluster.placement == "split" and not any(
+            vllm_fits(c.breakdown, _with(cfg, c.values), shape, gpu) for c in unpinned.candidates):
+        billions = shape.params() / 1e9
+        return f"vLLM cannot hold {billions:.1f}B parameters in {where}; raise cluster.generator_tp"
+    least = min_memory_gib(cfg, shape, gpu, set(), gpus)
+    needs = f"needs at least {least:.1f} GiB per GPU" if least else "fits no GPU"
+    return (f"the recipe {needs}, more than {where}; raise learner.num_ranks (more GPUs shard the model) "
+            f"or shorten the rows (data.max_prompt_tokens, generation.max_new_tokens)")
+
+
+def _settings(values: dict[str, Any], pinned: set[str]) -> str:
+    """`k=v` for the pinned keys a plan changes, then `with k=v` for the rest it needs."""
+    changed = " ".join(_key_value(k, v) for k, v in values.items() if k in pinned)
+    rest = " ".join(_key_value(k, v) for k, v in values.items() if k not in pinned)
+    return f"{changed} with {rest}" if rest else changed
+
+
+_LABELS = {
+    "weights": "weights (compute dtype: resident + gathered)", "masters": "fp32 master weights",
+    "gradients": "gradients (fp32)", "optimizer": "optimizer state (Adam, fp32)",
+    "reference": "reference model",
+    "activations": "activations", "logits": "logits", "learner_peak": "= learner peak",
+    "learner_resident": "learner state resident while vLLM generates", "vllm_weights": "vLLM weights",
+    "vllm_kv": "vLLM KV cache (its share)", "vllm_kv_needed": "vLLM KV cache the step's sequences need",
+    "vllm_asleep": "vLLM asleep (kept while the learner trains)", "contexts": "CUDA contexts",
+    "margin": f"fragmentation margin ({FRAGMENTATION:.0%})", "need": "= needed by the busiest phase",
+}
+
+
+def format_breakdown(bd: Breakdown) -> str:
+    """The breakdown, one `label GiB` line each, plus the activations per token."""
+    lines = [f"  {label:<46} {getattr(bd, name):8.2f} GiB" for name, label in _LABELS.items()]
+    per_token = bd.activations * GIB / 2**20 / max(1, bd.tokens)
+    lines.insert(6, f"  {'  per token, micro-batch of ' + str(bd.tokens):<46} {per_token:8.2f} MiB")
+    return "\n".join(lines)
+
+
+def describe(plan: Plan, top: int = 8) -> str:
+    """A table of the fastest fitting candidates and the closest misses, then the chosen values."""
+    lines = [f"gpu: {plan.gpu.name}, {plan.gpu.memory_gib:g} GiB, {plan.gpu.peak_tflops:g} TFLOP/s bf16"]
+    ranked = sorted(plan.candidates, key=lambda c: (not c.fits, c.learner_s if c.fits else c.breakdown.need))
+    header = f"{'fits':4} {'learner s':>9} {'need':>6} {'peak':>6}  settings"
+    lines += ["candidates (fastest fitting first, then the nearest misses):", header]
+    for c in ranked[:top]:
+        short = " ".join(f"{k.split('.')[1]}={v}" for k, v in c.values.items() if v != _get(plan.config, k))
+        lines.append(f"{'yes' if c.fits else 'no':4} {c.learner_s:9.2f} {c.breakdown.need:6.1f} "
+                     f"{c.breakdown.learner_peak:6.1f}  {short or '(as the recipe)'}")
+    if plan.best is not None:
+        lines.append("chosen, per GPU:\n" + format_breakdown(plan.best.breakdown))
+    if plan.kept:
+        lines.append("kept as set: " + ", ".join(plan.kept))
+    return "\n".join(lines)
+
+
+def _key_value(key: str, value: Any) -> str:
+    """`key=value` as an override is written (booleans as true/false)."""
+    return f"{key}={json.dumps(value) if isinstance(value, bool) else value}"
+
+
+def plan_lines(plan: Plan) -> list[str]:
+    """The chosen plan as `key=value` lines (values that differ from the config)."""
+    return [_key_value(k, v) for k, v in plan.values.items()]
+
+
+def applied(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """`cfg` with the plan's values, validated like any override."""
+    from rlhf.config import config_from_dict
+
+    return config_from_dict(config_to_dict(cfg), plan_lines(plan))

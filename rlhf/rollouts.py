@@ -1,0 +1,119 @@
+"""Rollouts of each GRPO step, generated on-policy or up to `grpo.max_staleness` steps ahead.
+
+Choices:
+1. A queue of generations, one per step, oldest first. With max_staleness = s it holds the
+   generations of steps k..k+s when step k takes its rollouts (`next`): the generation of step k+s
+   is submitted then, with the weights the engines hold (version k), and runs while the learners
+   train on step k. s = 0 is the synchronous loop: submit, wait, train.
+2. Weights change only between generations: before a push the loop waits for every generation
+   still running (`finish`); their results stay queued. So every sample of a generation comes
+   from one weight version, recorded with it (`RolloutBatch.version`), and step k trains on
+   samples of version max(k - s, first step of the run): a lag of exactly s once the queue is full.
+3. Prompts leave the stream when their generation is submitted, so a checkpoint's stream position
+   counts the queued steps, and their finished rollouts are saved beside it (`state_dict`): the
+   weights that generated them are in no checkpoint, so they could not be regenerated. A resumed
+   run trains on the very samples the interrupted run would have.
+4. Sampling seeds derive from (run seed, step), as before: the schedule never changes the samples.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.config import RunConfig
+from rlhf.data import PromptStream
+from rlhf.protocols import Generator, PendingGeneration
+from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec
+
+
+@dataclass
+class Finished:
+    """A `PendingGeneration` that is already done: for generators that cannot run in the background."""
+
+    completions: list[Completion]
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+
+    def result(self) -> list[Completion]:
+        return self.completions
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.engine_metrics)
+
+
+@dataclass
+class _Queued:
+    """One step's generation: submitted (`pending`) or finished (`completions`)."""
+
+    step: int
+    version: int
+    rows: list[PromptRow]
+    prompt_ids: list[list[int]]
+    pending: PendingGeneration | None = None
+    completions: list[Completion] | None = None
+    engine_metrics: dict[str, float] = field(default_factory=dict)
+
+    def wait(self) -> None:
+        if self.completions is None:
+            self.completions = self.pending.result()
+            self.engine_metrics = self.pending.metrics()
+            self.pending = None
+
+
+class RolloutQueue:
+    """The generations of the coming steps (choice 1); `state_dict` makes it part of a checkpoint."""
+
+    def __init__(self, generator: Generator, prompts: PromptStream, cfg: RunConfig) -> None:
+        self.generator, self.prompts, self.cfg = generator, prompts, cfg
+        self.ahead = cfg.grpo.max_staleness
+        self._queue: deque[_Queued] = deque()
+
+    def next(self, step: int, version: int) -> RolloutBatch:
+        """Step `step`'s rollouts (waiting for them if needed), after submitting the generations of
+        the steps up to step + max_staleness (and before grpo.steps) with the weights of
+        `version`, the engines' current."""
+        while len(self._queue) <= self.ahead and step + len(self._queue) < self.cfg.grpo.steps:
+            self._submit(step + len(self._queue), version)
+        item = self._queue.popleft() if self._queue else None
+        if item is None or item.step != step:
+            raise RuntimeError(f"the rollout queue holds step {item and item.step}, step {step} asked for it")
+        item.wait()
+        return RolloutBatch(rows=item.rows, prompt_ids=item.prompt_ids, completions=item.completions,
+                            group_size=self.cfg.grpo.group_size, engine_metrics=item.engine_metrics,
+                            version=item.version)
+
+    def finish(self) -> None:
+        """Wait for every generation still running (before weights change: choice 2)."""
+        for item in self._queue:
+            item.wait()
+
+    def _submit(self, step: int, version: int) -> None:
+        rows, prompt_ids = map(list, zip(*self.prompts.take(self.cfg.grpo.prompts_per_step)))
+        item = _Queued(step=step, version=version, rows=rows, prompt_ids=prompt_ids)
+        item.pending = self.generator.submit(prompt_ids, sampling_spec(self.cfg, step))
+        self._queue.append(item)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt stream's position and the queued steps' finished rollouts (choice 3)."""
+        self.finish()
+        queued = [dict(step=q.step, version=q.version, rows=q.rows, prompt_ids=q.prompt_ids,
+                       completions=q.completions, engine_metrics=q.engine_metrics) for q in self._queue]
+        return {**self.prompts.state_dict(), "queued": queued}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (a checkpoint without queued rollouts restores the stream)."""
+        state = dict(state)
+        queued = state.pop("queued", [])
+        self.prompts.load_state_dict(state)
+        self._queue = deque(_Queued(**q) for q in queued)
+
+
+def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
+    """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed
+    run draws the same samples as an uninterrupted one, whatever the number of engines."""
+    gen = cfg.generation
+    return SamplingSpec(
+        n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
+        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step, ignore_eos=gen.ignore_eos,
+    )

@@ -1,0 +1,42 @@
+"""A build lock left by a killed op build is deleted; one a live builder holds is kept."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from actors.torch_extensions import build_root, clear_stale_build_locks
+
+
+def test_a_lock_nobody_holds_is_deleted_and_a_held_one_kept(tmp_path, capsys):
+    stale, live = tmp_path / "cpu_adam" / "lock", tmp_path / "shm_comm" / "lock"
+    stale.parent.mkdir()
+    live.parent.mkdir()
+    stale.touch()  # its builder was killed: nobody has it open
+    # A live builder: another process that created the lock the way FileBaton does and holds it open.
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; os.open({str(live)!r}, os.O_CREAT | os.O_EXCL); "
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert clear_stale_build_locks(tmp_path) == [stale]
+        assert not stale.exists() and live.exists()
+        out = capsys.readouterr().out
+        assert out.count("\n") == 1 and f"deleted a stale build lock {stale}" in out
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    assert clear_stale_build_locks(tmp_path) == [live]  # its holder died: now it is stale too
+
+
+def test_no_build_folder_is_nothing_to_do(tmp_path):
+    assert clear_stale_build_locks(tmp_path / "absent") == []
+
+
+def test_build_root_follows_torch_extensions_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_root() == tmp_path
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert build_root().name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}_")
