@@ -129,7 +129,8 @@ def _figures(records: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list
                 text += f" -> {after[key]:.3g} (step {after['step']})"
             rows.append((key, text))
     if steps:
-        phases = [k for k in steps[-1] if k.startswith("timing/") and k != "timing/step_s"]  # loop order
+        phases = [k for k in steps[-1] if k.startswith("timing/") and k != "timing/step_s"  # loop order
+                  and _median(steps, k) >= 1e-3]  # not the phases that took no time (an empty rollout queue's wait)
         rows.append(("step time (median)", f"{_median(steps, 'timing/step_s'):.3g} s: "
                      + ", ".join(f"{p[len('timing/'):-2]} {_median(steps, p):.3g}" for p in phases)))
         rates = {"throughput/tokens_per_s": "trained", "throughput/gen_tokens_per_s": "generated"}
