@@ -61,12 +61,11 @@ def gather(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str) -> 
 
 
 def gather_timed(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: str, *,
-                 straggler_s: float | None = None, start: float | None = None) -> tuple[list[Any], list[float]]:
-    """ray.get(refs), failing fast, plus the seconds from `start` (a `time.perf_counter()` taken
-    when the calls were issued; default: now) until each result was ready: each actor's wall time
-    for its share, noticed at the latest when this call looks. `straggler_s`: the limit after the
-    first answer (None: independent work, no limit)."""
-    start = time.perf_counter() if start is None else start
+                 straggler_s: float | None = None) -> tuple[list[Any], list[float]]:
+    """ray.get(refs), failing fast, plus the seconds from this call until each result was ready
+    (issue the calls just before: that is each actor's wall time for its share). `straggler_s`:
+    the limit after the first answer (None: independent work, no limit)."""
+    start = time.perf_counter()
     pending = dict(zip(refs, labels, strict=True))
     seconds: dict[ray.ObjectRef, float] = {}
     while pending:

@@ -32,6 +32,7 @@ from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
 from rlhf.config import ConfigError, RunConfig
 from rlhf.dpo import needs_reference_model
+from rlhf.lora import serves_adapters
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 LEARNERS = {"fsdp2": "actors.fsdp2_learner:FSDP2Learner", "deepspeed": "actors.deepspeed_learner:DeepSpeedLearner"}
@@ -141,11 +142,6 @@ def needs_reference(cfg: RunConfig) -> bool:
     if cfg.learner.lora_rank > 0:
         return False
     return cfg.grpo.kl_coef > 0 if cfg.algorithm == "grpo" else needs_reference_model(cfg)
-
-
-def serves_adapters(cfg: RunConfig) -> bool:
-    """Whether weight pushes carry LoRA adapters to engines serving them (`lora_sync: adapter`)."""
-    return cfg.learner.lora_rank > 0 and cfg.learner.lora_sync == "adapter"
 
 
 def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:

@@ -88,9 +88,9 @@ class EngineGeneration:
 
     def result(self) -> list[Completion]:
         if self._completions is None:
-            parts, seconds = gather_timed(self.refs, self.labels, "generate", start=self.submitted)
-            self._watcher.join(timeout=10.0)  # every share is ready: the thread is noting the last one
-            seconds = [self._ready_at.get(ref, self.submitted + s) - self.submitted for ref, s in zip(self.refs, seconds)]
+            parts = gather_timed(self.refs, self.labels, "generate")[0]  # fails fast on a dead engine
+            self._watcher.join()  # every share is ready: the thread is noting the last one at most
+            seconds = [self._ready_at[ref] - self.submitted for ref in self.refs]
             tokens = [sum(len(c.token_ids) for c in part) for part in parts]
             self._metrics = engine_metrics({e: (t, s) for e, t, s in zip(self.engines, tokens, seconds)})
             if self.gpus and seconds:  # every generating GPU, the idle ones of a short call included

@@ -80,8 +80,12 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         if cfg.resume:
             checkpoint_to_resume(cfg.output_dir, cfg.resume)  # verified now: a corrupt one is bad input
         prepared = prepare(cfg)
-        if cfg.learner.lora_rank:
-            check_lora(cfg, prepared[0])  # prepared[0]: the resolved model folder
+        if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
+            from actors.vllm_generator import check_lora_serving
+            from rlhf.lora import check_lora
+
+            check_lora(cfg, prepared[0])  # target modules; adapters need the vLLM generator
+            check_lora_serving(cfg, prepared[0])  # vLLM can serve these adapters (lora_sync: adapter)
     except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:  # ConfigError is a ValueError
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -166,18 +170,6 @@ def planned_gpu(kind: str, memory_gib: float = 0.0) -> GpuKind | None:
         return gpu_kind(kind, memory_gib)
     name, found_gib = gpu_identity() or ("custom GPU", 0.0)
     return gpu_kind_of_device(name, memory_gib or found_gib) if memory_gib or found_gib else None
-
-
-def check_lora(cfg: RunConfig, model_path: str) -> None:
-    """With `learner.lora_rank > 0`: the target modules exist in the model, and with
-    `lora_sync: adapter` the engine can serve adapters of this architecture, rank and vocabulary."""
-    from rlhf.lora import check_lora as check_targets
-
-    check_targets(cfg, model_path)
-    if cfg.algorithm == "grpo":
-        from actors.vllm_generator import check_lora_serving
-
-        check_lora_serving(cfg, model_path)
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -107,7 +107,7 @@ import torch
 
 from actors.device import detect, isolate_cpu_compile_cache
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig, RunConfig
-from rlhf.lora import adapter_config, save_adapter
+from rlhf.lora import adapter_config, save_adapter, serves_adapters
 from rlhf.types import Completion, SamplingSpec
 
 # (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
@@ -387,11 +387,9 @@ def check_lora_serving(cfg: RunConfig, model_path: str) -> None:
     """Before start-up: a run that pushes LoRA adapters to vLLM (`learner.lora_sync: adapter`) must
     be one vLLM can serve them for (`lora_serving_problem`); raises a one-line ConfigError
     otherwise. A no-op for other runs."""
-    lc = cfg.learner
-    adapters = lc.lora_rank > 0 and lc.lora_sync == "adapter"
-    if not adapters or cfg.algorithm != "grpo" or cfg.generation.backend != "vllm":
+    if not serves_adapters(cfg) or cfg.algorithm != "grpo" or cfg.generation.backend != "vllm":
         return
-    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
+    problem = lora_serving_problem(model_path, cfg.learner.lora_rank, on_cpu=detect().kind == "cpu")
     if problem:
         raise ConfigError(problem)
 

@@ -36,6 +36,7 @@ import torch
 from actors.actor_group import gather
 from actors.device import detect
 from rlhf.config import RunConfig
+from rlhf.lora import serves_adapters
 
 _BUCKET_BYTES = 256 * 2**20  # few calls (per-call overhead vanishes), never a memory spike
 
@@ -160,7 +161,7 @@ def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, mast
     7B model: ~40M parameters), and the engine writes them to a folder on its host anyway
     (actors.vllm_generator choice 12)."""
     kind = cfg.cluster.weight_sync
-    if cfg.learner.lora_rank > 0 and cfg.learner.lora_sync == "adapter":
+    if serves_adapters(cfg):
         kind = "cpu"
     if kind == "auto":
         kind = "cpu" if device_kind == "cpu" else ("cuda_ipc" if cfg.cluster.placement == "colocated" else "nccl")

@@ -84,6 +84,11 @@ def check_lora(cfg: RunConfig, model_path: str | Path) -> None:
                           f"{cfg.generation.backend!r}); use learner.lora_sync=merged")
 
 
+def serves_adapters(cfg: RunConfig) -> bool:
+    """Whether weight pushes carry LoRA adapters to engines serving them (`lora_sync: adapter`)."""
+    return cfg.learner.lora_rank > 0 and cfg.learner.lora_sync == "adapter"
+
+
 def lora_scale(cfg: LearnerConfig) -> float:
     """The factor of B @ A in the adapted weight: alpha / r."""
     return cfg.lora_alpha / cfg.lora_rank

@@ -83,7 +83,8 @@ def test_check_lora_before_start_up(tiny_qwen2):
 
 
 def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
-    from actors.cluster import needs_reference, serves_adapters
+    from actors.cluster import needs_reference
+    from rlhf.lora import serves_adapters
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, choose_transport
 
     assert needs_reference(_cfg("grpo.kl_coef=0.05"))
