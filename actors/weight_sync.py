@@ -26,7 +26,6 @@ Transports (the only thing that differs by placement):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 

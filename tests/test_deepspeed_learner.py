@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
-from pathlib import Path
 
 import pytest
 import torch

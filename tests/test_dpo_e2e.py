@@ -9,16 +9,14 @@ reference model; must match the reference-model run), and SimPO.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rlhf.metrics import read_metrics
+from tests.runs import kill_after_first_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -116,15 +114,7 @@ def test_simpo_needs_no_reference(tmp_path):
 def test_killed_run_resumes_exactly(full_run, tmp_path):
     out = tmp_path / "killed"
     proc = train(out, wait=False)
-    first = out / "checkpoints" / "step_000001" / "run_state.pt"
-    deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert first.exists(), "the run never wrote its first checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver, Ray, learners
-    proc.wait()
-    for later in sorted((out / "checkpoints").glob("step_*"))[1:]:
-        shutil.rmtree(later)  # in case it got further: resume from step 1
+    kill_after_first_checkpoint(proc, out)
 
     resumed = train(out, "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]

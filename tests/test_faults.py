@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.grpo import RewardFailure, RewardHealth
+from tests.runs import kill_titled
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
@@ -207,15 +208,11 @@ def finish(proc: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[int
 
 def kill_actor(proc: subprocess.Popen, title: str, ready) -> float:
     """SIGKILL the run's process whose title contains `title` once `ready()`; the time of the kill."""
-    import psutil
-
     deadline = time.time() + 600
     while not ready():
         assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
         time.sleep(0.2)
-    victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if title in " ".join(p.cmdline())]
-    assert victims, f"no process titled {title}"
-    victims[0].send_signal(signal.SIGKILL)
+    kill_titled(proc.pid, title)
     return time.time()
 
 

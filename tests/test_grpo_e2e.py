@@ -9,16 +9,14 @@ checked at the learner level in test_deepspeed_learner.py.)
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rlhf.metrics import read_metrics
+from tests.runs import kill_after_first_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -99,14 +97,7 @@ def test_checkpoints_are_hf_folders(full_run):
 def test_killed_run_resumes_exactly(full_run, tmp_path):
     out = tmp_path / "killed"
     proc = train(out, *BACKENDS["fsdp2"], wait=False)
-    first = out / "checkpoints" / "step_000001" / "run_state.pt"
-    deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert first.exists(), "the run never wrote its first checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver, Ray, vLLM, learners
-    proc.wait()
-    shutil.rmtree(out / "checkpoints" / "step_000002", ignore_errors=True)  # in case it got that far
+    kill_after_first_checkpoint(proc, out)
 
     resumed = train(out, *BACKENDS["fsdp2"], "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]

@@ -8,11 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from rlhf.batching import shard_for_rank
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
 from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
 from rlhf.metrics import read_metrics
+from tests.runs import kill_after_first_checkpoint
 from rlhf.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
@@ -352,15 +350,7 @@ def test_grpo_lora_killed_run_resumes_exactly(grpo_run, tmp_path):
     sync, full = grpo_run
     out = tmp_path / "killed"
     proc = _grpo(out, f"learner.lora_sync={sync}", wait=False)
-    first = out / "checkpoints" / "step_000001" / "manifest.json"  # written last: a complete save
-    deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert first.exists(), "the run never wrote its first checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: driver, Ray, vLLM, learners
-    proc.wait()
-    for later in sorted((out / "checkpoints").iterdir())[1:]:  # in case it got further: resume from step 1
-        shutil.rmtree(later)
+    kill_after_first_checkpoint(proc, out)
     resumed = _grpo(out, f"learner.lora_sync={sync}", "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import signal
-import time
 from pathlib import Path
 
 import pytest
 
 from rlhf.metrics import read_metrics
+from tests.runs import kill_after_first_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -126,14 +124,7 @@ def test_killed_two_engine_run_resumes_exactly(two_engine_run, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    first = out / "checkpoints" / "step_000001" / "run_state.pt"
-    deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert first.exists(), "the run never wrote its first checkpoint"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    shutil.rmtree(out / "checkpoints" / "step_000002", ignore_errors=True)
+    kill_after_first_checkpoint(proc, out)
 
     resumed = subprocess.run([*cmd, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
