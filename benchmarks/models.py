@@ -7,6 +7,10 @@ vocab 151,936, tied embeddings) with seeded random bf16 weights, next to the Qwe
 (the folder or .tar.xz given by --tokenizer; default: the copy the GPU bundle ships,
 .gpubundle/meta/tok.tar.xz). The vocabulary must be the real one: random weights sample any of
 the 151,936 ids, and every sampled id has to decode. Built once, reused (a stamp file).
+`random:qwen2.5-0.5b` and `random:qwen2.5-7b` are the same for Qwen2.5-0.5B (24 layers, hidden
+896, 14/2 heads, tied) and Qwen2.5-7B (28 layers, hidden 3584, 28/4 heads, untied, vocab 152,064);
+the memory planner reads their shapes from the config.json written here, the same numbers as its
+KNOWN_SHAPES for the hub ids (tests/test_plan_check.py checks both).
 """
 
 from __future__ import annotations
@@ -22,9 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TOKENIZER = REPO / ".gpubundle" / "meta" / "tok.tar.xz"
 
 SHAPES = {
+    "random:qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                intermediate_size=4864, vocab_size=151936, max_position_embeddings=32768,
+                                rope_theta=1e6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
     "random:qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                 intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768,
                                 rope_theta=1e6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    # 152,064 rows, 128 more than the tokenizer's 151,936 ids: a sampled id above them decodes to
+    # nothing (no error), which the speed and memory runs do not mind.
+    "random:qwen2.5-7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                              intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
+                              rope_theta=1e6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
 }
 
 
@@ -55,6 +67,11 @@ def build_random_model(name: str, out_root: str | Path, *, tokenizer: str | Path
         with tarfile.open(tokenizer) as t:
             t.extractall(out, filter="data")
     torch.manual_seed(seed)
+    # Built where it is fastest. On a GPU the 7B shape's 7.6B bf16 parameters are allocated and
+    # randomly initialised in seconds; what costs is save_pretrained copying 15.2 GB to the host and
+    # writing it (expected 30-90 s with start-up, not measured on a GPU yet). On CPU the init is
+    # the cost: the 0.5B shape took 32 s end to end on the project's 2-core VM, the 7B one would
+    # take many minutes, so build it on a GPU.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[name]), dtype=torch.bfloat16)

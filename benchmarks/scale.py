@@ -35,7 +35,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -259,13 +259,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _layout_list(text: str) -> list[str]:
+def name_list(text: str, known: Iterable[str], what: str) -> list[str]:
+    """A comma-separated argument of names out of `known` (argparse's error otherwise)."""
+    known = list(known)
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LAYOUTS]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown layout(s) {', '.join(unknown) or '(none)'}; "
-                                         f"known: {', '.join(LAYOUTS)}")
+        raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown) or '(none)'}; "
+                                         f"known: {', '.join(known)}")
     return names
+
+
+def _layout_list(text: str) -> list[str]:
+    return name_list(text, LAYOUTS, "layout")
 
 
 def visible_gpus(env: dict[str, str]) -> list[str]:

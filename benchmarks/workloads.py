@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from rlhf.config import RunConfig, config_keys
 
-REPO_MODELS = {"random:qwen2.5-1.5b"}
+REPO_MODELS = {"random:qwen2.5-0.5b", "random:qwen2.5-1.5b", "random:qwen2.5-7b"}
 """Models the runner builds itself (benchmarks/models.py) before the sides start."""
 
 TRL_LOSS_TYPES = {"token-mean": "dapo", "seq-mean-token-mean": "grpo", "seq-mean-token-sum-norm": "dr_grpo"}

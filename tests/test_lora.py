@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,6 @@ from rlhf.batching import shard_for_rank
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
 from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
 from rlhf.metrics import read_metrics
-from tests.runs import kill_after_first_checkpoint
 from rlhf.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
@@ -379,11 +379,14 @@ def test_grpo_lora_engine_serves_the_learner_policy_after_every_sync(grpo_run):
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.parametrize("grpo_run", ["adapter"], indirect=True)  # one resume run: the adapter path carries more state
-def test_grpo_lora_killed_run_resumes_exactly(grpo_run, tmp_path):
+def test_grpo_lora_resumed_run_continues_exactly(grpo_run, tmp_path):
+    """A run resumed from the uninterrupted run's step-1 checkpoint (adapters, their optimizer
+    state, the data position; the engine loads the base weights and gets the adapters in the push
+    before the first generation) repeats its steps 1 and 2. Killing a run mid-way is tests/test_grpo_e2e.py's
+    and tests/test_faults.py's: a checkpoint is the same folder whether the run then dies or not."""
     sync, full = grpo_run
-    out = tmp_path / "killed"
-    proc = _grpo(out, f"learner.lora_sync={sync}", wait=False)
-    kill_after_first_checkpoint(proc, out)
+    out = tmp_path / "resumed"
+    shutil.copytree(full / "checkpoints" / "step_000001", out / "checkpoints" / "step_000001")
     resumed = _grpo(out, f"learner.lora_sync={sync}", "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 14's GPU checks of the memory planner: every configuration of benchmarks/plan_check.py runs under
+# memory.plan=auto; predicted vs measured learner peak (target +-10% on >= 4), no OOM, and on an H200 the H200
+# plan against the H100 plan (target >= 1.3x samples/s). See benchmarks/README.md.
+#
+#   bash benchmarks/gpu_plan.sh --configs 1.5b-fsdp2                # one configuration (or a few) per device call
+#   bash benchmarks/gpu_plan.sh --configs 1.5b-fsdp2-h100plan       # the H100 plan, on the same H200
+#   bash benchmarks/gpu_plan.sh --combine                           # one table from the latest run of each
+#   bash benchmarks/gpu_plan.sh                                     # every configuration the visible GPUs allow
+#   bash benchmarks/gpu_plan.sh --results outputs/plan-results ...  # JSON lines somewhere else (any plan_check.py option)
+#
+# Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
+# The random-weight Qwen2.5 shapes a configuration needs are built once under outputs/bench/models/ (by a child
+# process, on the GPU) next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONUNBUFFERED=1
+if [[ " $* " == *" --combine "* ]]; then
+  exec "$PY" benchmarks/plan_check.py "$@"  # runs nothing: no GPU needed
+fi
+# No NVLink SHARP / multicast (NCCL, torch symmetric memory, NVSHMEM): the lent multi-GPU hosts do not allow it.
+# Each configuration's training script starts its own local Ray, whose actors inherit this environment.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+"$PY" - <<'PY'
+import torch, vllm, ray, deepspeed, transformers
+assert torch.cuda.is_available(), "the planner's GPU checks need CUDA devices"
+names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"[gpu_plan.sh] {len(names)} GPU(s): {', '.join(names)} | torch {torch.__version__} vllm {vllm.__version__} "
+      f"deepspeed {deepspeed.__version__} transformers {transformers.__version__} ray {ray.__version__}", flush=True)
+PY
+exec "$PY" benchmarks/plan_check.py --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}" "$@"
