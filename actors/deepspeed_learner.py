@@ -126,9 +126,6 @@ class DeepSpeedLearner(LearnerRank):
     def _current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _peft_model(self) -> torch.nn.Module:
-        return self.engine.module
-
     def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
                          ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.

@@ -92,9 +92,6 @@ class FSDP2Learner(LearnerRank):
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def _peft_model(self) -> torch.nn.Module:
-        return self.model
-
     # ---------------------------------------------------------------- LearnerRank hooks
 
     def _backward(self, loss: torch.Tensor) -> None:

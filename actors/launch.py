@@ -81,12 +81,11 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
             checkpoint_to_resume(cfg.output_dir, cfg.resume)  # verified now: a corrupt one is bad input
         prepared = prepare(cfg)
         if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
-            from actors.vllm_generator import check_lora_serving, with_lora_sync
+            from actors.vllm_generator import settle_lora_sync
             from rlhf.lora import check_lora
 
-            cfg = with_lora_sync(cfg, prepared[0])  # auto -> adapter or merged
             check_lora(cfg, prepared[0])  # target modules; adapters need the vLLM generator
-            check_lora_serving(cfg, prepared[0])  # vLLM can serve these adapters (lora_sync: adapter)
+            cfg = settle_lora_sync(cfg, prepared[0])  # auto -> adapter or merged; adapters vLLM can serve
     except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:  # ConfigError is a ValueError
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2

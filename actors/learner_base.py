@@ -137,10 +137,6 @@ class LearnerRank:
         than 0) may get None. A collective: every rank iterates the same names in the same order."""
         raise NotImplementedError
 
-    def _peft_model(self) -> torch.nn.Module:
-        """The PEFT-wrapped model (LoRA only), for `disable_adapter`."""
-        raise NotImplementedError
-
     def _current_lr(self) -> float:
         raise NotImplementedError
 
@@ -202,7 +198,7 @@ class LearnerRank:
         and no separate reference model, the reference is the policy with its adapters off."""
         model, context = (self.reference if reference else self.model), nullcontext()
         if reference and model is None and self.lora:  # choice 9
-            model, context = self.model, self._peft_model().disable_adapter()
+            model, context = self.model, unwrapped(self.model).disable_adapter()  # the PeftModel
         if model is None:
             raise RuntimeError("reference log-probs asked for, but the learner was built without a reference")
         was_training = model.training
@@ -416,9 +412,14 @@ def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Modu
     return get_peft_model(model, config), targets
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """A learner's model without DeepSpeed's engine around it (the engine holds it in `.module`)."""
+    return getattr(model, "module", model)
+
+
 def output_head(model: torch.nn.Module) -> LogprobHead:
-    """The LogprobHead of a learner's model (a DeepSpeed engine wraps it in `.module`)."""
-    return getattr(model, "module", model).get_output_embeddings()
+    """The LogprobHead of a learner's model."""
+    return unwrapped(model).get_output_embeddings()
 
 
 def export_hf(state: dict[str, torch.Tensor], model_path: str, out: Path) -> None:

@@ -108,7 +108,7 @@ import torch
 
 from actors.device import detect, isolate_cpu_compile_cache
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig, RunConfig
-from rlhf.lora import adapter_config, save_adapter, serves_adapters
+from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
 
 # (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
@@ -137,9 +137,8 @@ class VLLMGenerator:
         generating at the same time on this host, which split its cores on CPU (choice 1); `lora`:
         the learner's config when pushes carry LoRA adapters (choice 12), else None."""
         self.device = detect()
-        if lora is not None and (problem := lora_serving_problem(model_path, lora.lora_rank,
-                                                                 on_cpu=self.device.kind == "cpu")):
-            raise ConfigError(problem)  # rather than an engine that aborts during its warm-up
+        if lora is not None:  # rather than an engine that aborts during its warm-up
+            refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
         if self.device.kind == "cpu":
             # The engine reads this when it is built and it overrides every other KV-cache setting,
@@ -384,30 +383,28 @@ def lora_settings(lora: LearnerConfig | None) -> dict[str, Any]:
     return dict(enable_lora=True, max_lora_rank=rank, max_loras=1)
 
 
-def with_lora_sync(cfg: RunConfig, model_path: str) -> RunConfig:
-    """`cfg` with `learner.lora_sync: auto` settled before start-up: `adapter` where vLLM can serve
-    this model's adapters on this machine (`lora_serving_problem`), else `merged`, with the reason
-    printed once. Runs that push nothing to vLLM (DPO, the HF generator) get `merged`, silently."""
+def settle_lora_sync(cfg: RunConfig, model_path: str) -> RunConfig:
+    """`cfg` with `learner.lora_sync` settled before start-up. `auto`: `adapter` where a vLLM engine
+    can serve this model's adapters on this machine (`lora_serving_problem`), else `merged`, with
+    the reason printed once (silently for runs without one: DPO, the HF generator). An explicit
+    `adapter` vLLM cannot serve is a one-line ConfigError (with the HF generator: `check_lora`'s)."""
     lc = cfg.learner
-    if lc.lora_rank <= 0 or lc.lora_sync != "auto":
+    if lc.lora_rank <= 0 or lc.lora_sync == "merged":
         return cfg
-    sync = "merged"
-    if cfg.algorithm == "grpo" and cfg.generation.backend == "vllm":
-        problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
-        if problem:
-            print(f"learner.lora_sync: auto -> merged: {problem}")
-        else:
-            sync = "adapter"
+    on_vllm = cfg.algorithm == "grpo" and cfg.generation.backend == "vllm"
+    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu") if on_vllm else None
+    if lc.lora_sync == "adapter":
+        refuse_adapter_serving(problem)
+        return cfg
+    if problem:
+        print(f"learner.lora_sync: auto -> merged: {problem}")
+    sync = "adapter" if on_vllm and not problem else "merged"
     return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync=sync))
 
 
-def check_lora_serving(cfg: RunConfig, model_path: str) -> None:
-    """Before start-up: a run that pushes LoRA adapters to vLLM (`learner.lora_sync: adapter`) must
-    be one vLLM can serve them for (`lora_serving_problem`); raises a one-line ConfigError
-    otherwise. A no-op for other runs."""
-    if not serves_adapters(cfg) or cfg.algorithm != "grpo" or cfg.generation.backend != "vllm":
-        return
-    problem = lora_serving_problem(model_path, cfg.learner.lora_rank, on_cpu=detect().kind == "cpu")
+def refuse_adapter_serving(problem: str | None) -> None:
+    """The one-line ConfigError of `learner.lora_sync=adapter` when vLLM cannot serve the adapters
+    (`problem`, from `lora_serving_problem`); nothing when it can."""
     if problem:
         raise ConfigError(f"learner.lora_sync=adapter: {problem}; use learner.lora_sync=merged")
 

@@ -66,7 +66,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
         with timer("generate"):  # the engines hold the weights of `step` updates
-            rollouts = rollout_queue.next(step, version=step)
+            rollouts = rollout_queue.next(step)
         with timer("reward"):
             rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
                 [rollouts.rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],

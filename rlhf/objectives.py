@@ -150,9 +150,9 @@ class GRPOObjective:
         )
         weight = float(mask.sum())
         metrics = {"loss": float(loss.detach()), "weight": weight}
-        metrics.update({k: float(v) * weight for k, v in stats.items()})
-        # is/weight_max is a maximum, not a weighted sum: reduce_metrics takes the max
-        metrics.update({k: float(v) if is_max_metric(k) else float(v) * weight for k, v in is_stats.items()})
+        # means as weighted sums; a maximum (is/weight_max) as it is: reduce_metrics takes the max
+        metrics.update({k: float(v) if is_max_metric(k) else float(v) * weight
+                        for k, v in (stats | is_stats).items()})
         if batch.sampler_logprobs is not None:
             diff = (logprobs.detach() - batch.sampler_logprobs.to(dev)).abs()
             metrics["mismatch/logprob_abs_diff"] = float(diff.masked_fill(~mask.bool(), 0.0).sum())

@@ -13,7 +13,7 @@ Choices:
    counts the queued steps, and their finished rollouts are saved beside it (`state_dict`): the
    weights that generated them are in no checkpoint, so they could not be regenerated. A resumed
    run trains on the very samples the interrupted run would have.
-4. Sampling seeds derive from (run seed, step), as before: the schedule never changes the samples.
+4. Sampling seeds derive from (run seed, step): the schedule never changes the samples.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ class RolloutQueue:
         self.ahead = cfg.grpo.max_staleness
         self._queue: deque[_Queued] = deque()
 
-    def next(self, step: int, version: int) -> RolloutBatch:
+    def next(self, step: int) -> RolloutBatch:
         """Step `step`'s rollouts (waiting for them if needed), after submitting the generations of
-        the steps up to step + max_staleness (and before grpo.steps) with the weights of
-        `version`, the engines' current."""
+        the steps up to step + max_staleness (and before grpo.steps) with the weights the engines
+        hold: those of `step` optimizer steps, as the loop pushes after every step."""
         while len(self._queue) <= self.ahead and step + len(self._queue) < self.cfg.grpo.steps:
-            self._submit(step + len(self._queue), version)
+            self._submit(step + len(self._queue), version=step)
         item = self._queue.popleft() if self._queue else None
         if item is None or item.step != step:
             raise RuntimeError(f"the rollout queue holds step {item and item.step}, step {step} asked for it")

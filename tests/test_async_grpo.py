@@ -129,7 +129,7 @@ def test_queue_runs_generation_ahead_by_exactly_the_staleness(staleness):
     queue, engines, _ = _queue(staleness)
     got = []
     for step in range(4):
-        rollouts = queue.next(step, version=step)
+        rollouts = queue.next(step)
         got.append((rollouts.version, [c.token_ids[0] for c in rollouts.completions[::2]]))
         queue.finish()
         engines.version = step + 1  # the push after the step
@@ -144,17 +144,17 @@ def test_queue_runs_generation_ahead_by_exactly_the_staleness(staleness):
 def test_queued_rollouts_survive_a_checkpoint():
     queue, engines, _ = _queue(1, steps=6)
     for step in range(2):
-        queue.next(step, version=step)
+        queue.next(step)
         queue.finish()
         engines.version = step + 1
     state = queue.state_dict()
     assert [q["step"] for q in state["queued"]] == [2] and state["queued"][0]["version"] == 1
-    want = [queue.next(s, version=s) for s in range(2, 4)]
+    want = [queue.next(s) for s in range(2, 4)]
 
     again, engines2, _ = _queue(1, steps=6)
     again.load_state_dict(state)
     engines2.version = 2
-    got = [again.next(s, version=s) for s in range(2, 4)]
+    got = [again.next(s) for s in range(2, 4)]
     assert [(r.version, r.prompt_ids) for r in got] == [(r.version, r.prompt_ids) for r in want]
     assert engines2.submits[0][1] == 2  # step 3 generated afresh with the resumed weights, as before
     old_format = {k: v for k, v in state.items() if k != "queued"}  # a checkpoint of an on-policy run

