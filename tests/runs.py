@@ -1,14 +1,17 @@
-"""Helpers for tests that drive a whole training run as a subprocess and interrupt it."""
+"""Helpers for tests that drive a whole training run as a subprocess, and interrupt it."""
 from __future__ import annotations
 
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from rlhf.checkpoint import MANIFEST, checkpoint_root
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def kill_after_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 600) -> None:
@@ -43,3 +46,20 @@ def kill_titled(root_pid: int, title: str) -> None:
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     raise AssertionError(f"no process titled {title}")
+
+
+def private_ray_env() -> dict[str, str]:
+    """This environment without RAY_ADDRESS: the run starts a private local Ray instance."""
+    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+
+def run_training(script: str, config: str, output_dir: Path, *overrides: str, wait: bool = True,
+                 timeout: float = 900) -> subprocess.CompletedProcess | subprocess.Popen:
+    """`script --config config output_dir=... overrides` from the repository root, on a private
+    Ray: finished, its output captured; or with `wait=False` running in its own process group (for
+    `kill_after_first_checkpoint`), its output discarded."""
+    cmd = [sys.executable, script, "--config", config, f"output_dir={output_dir}", *overrides]
+    if wait:
+        return subprocess.run(cmd, cwd=ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)

@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from rlhf.metrics import read_metrics
 from rlhf.objectives import GRPOObjective, reduce_metrics
 from rlhf.rollouts import Finished, RolloutQueue
 from rlhf.types import Completion, PromptRow, TrainBatch
+from tests.runs import run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 E = math.e
@@ -176,10 +174,7 @@ DETERMINISTIC = ["reward/mean", "reward/std", "loss", "clip_frac", "response_len
 
 
 def _train(out: Path, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-                           f"output_dir={out}", *ASYNC, *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", out, *ASYNC, *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

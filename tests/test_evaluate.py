@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from rlhf.evaluate import (EvalSet, PoolScorer, correctness_spec, eval_sampling,
 from rlhf.metrics import read_metrics
 from rlhf.models import build_tokenizer
 from rlhf.types import Completion, PromptRow, SamplingSpec, StepMetrics
+from tests.runs import private_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,10 +261,6 @@ RECIPES = {"gsm8k": ("scripts/train_gsm8k.py", "--cpu", "gsm_symbolic", "vllm"),
            "game24": ("scripts/train_countdown.py", "--cpu --game24", "game24", "hf")}
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private local Ray instance per run
-
-
 @pytest.mark.e2e
 @pytest.mark.ray
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -272,7 +268,7 @@ def test_cpu_recipe_trains_and_logs_eval(name, tmp_path_factory):
     script, flags, task, backend = RECIPES[name]
     out = tmp_path_factory.mktemp(name)
     cmd = [sys.executable, script, *flags.split(), f"output_dir={out}", f"generation.backend={backend}", *CI_SIZED]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["data"]["task"] == task and config["model"]["path"] == "tiny-qwen2"
@@ -292,7 +288,7 @@ def check_evaluate_cli_on_checkpoint(out: Path, *, script_flags: str, final: dic
     recipe = {"--cpu": "configs/grpo_gsm8k_smollm2_cpu.yaml"}[script_flags]
     ckpt = out / "checkpoints" / "step_000001"
     cmd = [sys.executable, "scripts/evaluate.py", "--config", recipe, "--model", str(ckpt), *CI_SIZED]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads((ckpt / "eval_report.json").read_text())  # next to the checkpoint by default
     assert data["model"] == str(ckpt / "model") and data["task"] == task and (data["num_prompts"], data["n"]) == (2, 2)
@@ -307,6 +303,6 @@ def check_evaluate_cli_on_checkpoint(out: Path, *, script_flags: str, final: dic
 def test_evaluate_cli_rejects_bad_input_in_one_line(tmp_path):
     cmd = [sys.executable, "scripts/evaluate.py", "--config", "configs/grpo_tiny_cpu.yaml", "--model", "tiny-qwen2",
            "eval.k=[1,4]"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: eval.k=[1, 4] is not allowed: integers in [1, eval.n=1]"

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.grpo import RewardFailure, RewardHealth
-from tests.runs import kill_titled
+from tests.runs import kill_titled, private_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
@@ -185,7 +185,7 @@ def start(out: Path, *extra: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
            *E2E, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private local Ray instance per run
+    env = private_ray_env()
     env["RLHF_FAULT_LOG"] = str(out / "faults.log")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(out / "stdout.txt", "w"),
                             stderr=open(out / "stderr.txt", "w"), start_new_session=True)

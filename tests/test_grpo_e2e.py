@@ -8,15 +8,13 @@ checked at the learner level in test_deepspeed_learner.py.)
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rlhf.metrics import read_metrics
-from tests.runs import kill_after_first_checkpoint
+from tests.runs import kill_after_first_checkpoint, run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -43,13 +41,8 @@ DETERMINISTIC = ["reward/mean", "reward/std", "loss", "kl", "clip_frac", "respon
 
 
 def train(output_dir: Path, *extra: str, wait: bool = True) -> subprocess.Popen | subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-           f"output_dir={output_dir}", *COMMON, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a private local Ray instance per run
-    if wait:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    return run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", output_dir, *COMMON, *extra,
+                        wait=wait)
 
 
 @pytest.fixture(scope="module", params=list(BACKENDS))

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ from rlhf.batching import shard_for_rank
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
 from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
 from rlhf.metrics import read_metrics
+from tests.runs import run_training
 from rlhf.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
@@ -343,17 +341,8 @@ COMMON = [f"grpo.steps={STEPS}", "save_every=1", "learner.lr=1e-2", "data.num_tr
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "kl", "clip_frac", "response_len/mean", "grad_norm"]
 
 
-def _run(script: str, config: str, output_dir: Path, *extra: str, wait: bool = True):
-    cmd = [sys.executable, script, "--config", config, f"output_dir={output_dir}", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    if wait:
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
-def _grpo(output_dir: Path, *extra: str, wait: bool = True):
-    return _run("scripts/train_grpo.py", "configs/grpo_lora_tiny_cpu.yaml", output_dir, *COMMON, *extra, wait=wait)
+def _grpo(output_dir: Path, *extra: str):
+    return run_training("scripts/train_grpo.py", "configs/grpo_lora_tiny_cpu.yaml", output_dir, *COMMON, *extra)
 
 
 @pytest.fixture(scope="module", params=["adapter", "merged"])
@@ -410,8 +399,8 @@ def test_dpo_lora_adapters_off_reference_equals_the_precomputed_one(tmp_path):
     runs = {}
     for precompute in ("false", "true"):
         out = tmp_path / precompute
-        proc = _run("scripts/train_dpo.py", "configs/dpo_lora_tiny_cpu.yaml", out, *common,
-                    f"dpo.precompute_ref={precompute}")
+        proc = run_training("scripts/train_dpo.py", "configs/dpo_lora_tiny_cpu.yaml", out, *common,
+                            f"dpo.precompute_ref={precompute}")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         runs[precompute] = [r["loss"] for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
     assert len(runs["false"]) == 3 and runs["false"][0] != runs["false"][-1]

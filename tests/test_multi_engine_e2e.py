@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.metrics import read_metrics
-from tests.runs import kill_after_first_checkpoint
+from tests.runs import kill_after_first_checkpoint, run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -29,6 +29,10 @@ COMMON = [f"grpo.steps={STEPS}", "save_every=1", "learner.lr=1e-3", "data.num_tr
           "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]", *TWO_ENGINES]
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "clip_frac", "response_len/mean", "grad_norm",
                  "gen/engine0_tokens", "gen/engine1_tokens"]
+
+
+def _train(out: Path, *extra: str, wait: bool = True):
+    return run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", out, *COMMON, *extra, wait=wait)
 
 
 def _train_grpo_module():
@@ -114,19 +118,11 @@ def test_metrics_per_engine_and_rollouts_matched_to_their_prompts(two_engine_run
 
 
 def test_killed_two_engine_run_resumes_exactly(two_engine_run, tmp_path):
-    import subprocess
-    import sys
-
     want_dir, _, _ = two_engine_run
     out = tmp_path / "killed"
-    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-           f"output_dir={out}", *COMMON]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    kill_after_first_checkpoint(proc, out)
+    kill_after_first_checkpoint(_train(out, wait=False), out)
 
-    resumed = subprocess.run([*cmd, "resume=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    resumed = _train(out, "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout
     want, got = read_metrics(want_dir / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
@@ -137,15 +133,8 @@ def test_killed_two_engine_run_resumes_exactly(two_engine_run, tmp_path):
 
 
 def test_zero3_learners_feed_two_engines(tmp_path):
-    import subprocess
-    import sys
-
     out = tmp_path / "zero3"
-    proc = subprocess.run(
-        [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
-         *COMMON, "save_every=0", "learner.backend=deepspeed", "learner.zero_stage=3"],
-        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, capture_output=True, text=True,
-        timeout=900)
+    proc = _train(out, "save_every=0", "learner.backend=deepspeed", "learner.zero_stage=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "2 engine(s)" in proc.stdout
     records = read_metrics(out / "metrics.jsonl")

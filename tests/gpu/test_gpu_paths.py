@@ -11,10 +11,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.metrics import read_metrics
 from rlhf.objectives import GRPOObjective
 from rlhf.types import TrainBatch
+from tests.runs import run_training
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +73,7 @@ COMMON = ["model.path=tiny-qwen2", "model.dtype=float32", "learner.lr=1e-3", "gr
 
 
 def _train(out: Path, *extra: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-                           f"output_dir={out}", *COMMON, *extra], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", out, *COMMON, *extra, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
