@@ -13,13 +13,7 @@
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH,
 # as .gpubundle/meta/install_and_run.sh sets it up). The random-weight Qwen2.5-1.5B is built once under
 # outputs/bench/models/ next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" - <<'PY'
 import torch, vllm, trl, accelerate, ray, transformers
 assert torch.cuda.is_available(), "grpo-gpu needs a CUDA device"

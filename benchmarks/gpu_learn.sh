@@ -8,12 +8,6 @@
 #   RLHF_WHEELHOUSE=/tmp/wheels bash benchmarks/gpu_learn.sh   # no registry: the wheel from a folder
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" -m rlhf.assets fetch smollm2-135m-instruct
 exec "$PY" scripts/train_grpo.py --config configs/grpo_arithmetic_smollm2_1gpu.yaml "$@"

@@ -12,24 +12,9 @@
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
 # The random-weight Qwen2.5 shapes a configuration needs are built once under outputs/bench/models/ (by a child
 # process, on the GPU) next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-}
-if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 if [[ " $* " == *" --combine "* ]]; then
   exec "$PY" benchmarks/plan_check.py "$@"  # runs nothing: no GPU needed
 fi
-# No NVLink SHARP / multicast (NCCL, torch symmetric memory, NVSHMEM): the lent multi-GPU hosts do not allow it.
-# Each configuration's training script starts its own local Ray, whose actors inherit this environment.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-"$PY" - <<'PY'
-import torch, vllm, ray, deepspeed, transformers
-assert torch.cuda.is_available(), "the planner's GPU checks need CUDA devices"
-names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-print(f"[gpu_plan.sh] {len(names)} GPU(s): {', '.join(names)} | torch {torch.__version__} vllm {vllm.__version__} "
-      f"deepspeed {deepspeed.__version__} transformers {transformers.__version__} ray {ray.__version__}", flush=True)
-PY
+check_gpus gpu_plan.sh  # each configuration's local Ray inherits its NCCL settings
 exec "$PY" benchmarks/plan_check.py --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}" "$@"
