@@ -245,6 +245,12 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
           f"{cfg.learner.num_ranks} {cfg.learner.backend} learner rank(s) on {_resources()}")
     print(describe_placement(pg, layout))
     generator = _engine_group(cfg, model_path, pg, layout, device.kind)
+    if device.kind != "cpu" and cfg.cluster.placement == "colocated":
+        # vLLM sizes its KV cache from the GPU's free memory measured around its start-up profile,
+        # assuming no other process allocates meanwhile: a learner starting beside it was counted
+        # as vLLM's own use (ZeRO-3 under memory.plan=auto: "No available memory for the cache
+        # blocks"). So colocated engines finish starting before the learners begin.
+        generator.group.call("__ray_ready__")
     learners = _learner_group(cfg, model_path, pg, layout)
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
     addr, port = ray.get(node_address.options(

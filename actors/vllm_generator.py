@@ -389,16 +389,22 @@ def settle_lora_sync(cfg: RunConfig, model_path: str) -> RunConfig:
     the reason printed once (silently for runs without one: DPO, the HF generator). An explicit
     `adapter` vLLM cannot serve is a one-line ConfigError (with the HF generator: `check_lora`'s)."""
     lc = cfg.learner
-    if lc.lora_rank <= 0 or lc.lora_sync == "merged":
-        return cfg
     on_vllm = cfg.algorithm == "grpo" and cfg.generation.backend == "vllm"
-    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu") if on_vllm else None
+    if lc.lora_rank <= 0 or (not on_vllm and lc.lora_sync != "auto"):
+        return cfg
+    if not on_vllm:  # nothing is pushed to a vLLM engine: DPO, the HF generator
+        return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync="merged"))
+    if lc.lora_sync == "merged":
+        print("learner.lora_sync: merged (as set): each sync pushes the merged weights")
+        return cfg
+    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
     if lc.lora_sync == "adapter":
         refuse_adapter_serving(problem)
+        print(f"learner.lora_sync: adapter (as set): each sync pushes the rank-{lc.lora_rank} adapter only")
         return cfg
-    if problem:
-        print(f"learner.lora_sync: auto -> merged: {problem}")
-    sync = "adapter" if on_vllm and not problem else "merged"
+    sync = "merged" if problem else "adapter"
+    why = problem or f"vLLM serves rank-{lc.lora_rank} adapters here: each sync pushes the adapter only"
+    print(f"learner.lora_sync: auto -> {sync}: {why}")
     return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync=sync))
 
 

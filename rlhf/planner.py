@@ -522,27 +522,18 @@ def make_plan(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, pinned: set[str] 
     return Plan(cfg, gpu, best, candidates, values, kept)
 
 
-def min_memory_gib(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, pinned: set[str],
-                   gpus: int = 0) -> float | None:
-    """The least memory per GPU (to 0.5 GiB) at which some candidate fits; None if not even 4 TiB."""
-    def fits(gib: float) -> bool:
-        return make_plan(cfg, shape, dataclasses.replace(gpu, memory_gib=gib), pinned, gpus).best is not None
-
-    low, high = 0.0, 4096.0
-    if not fits(high):
-        return None
-    while high - low > 0.5:
-        middle = (low + high) / 2
-        low, high = (low, middle) if fits(middle) else (middle, high)
-    return high
+def nearest_need_gib(plan: Plan) -> float:
+    """The memory the nearest candidate of `plan` needs on its GPU: the `need` of the first row
+    that `describe` lists among the misses, so a refusal and the table quote the same figure."""
+    return min(c.breakdown.need for c in plan.candidates)
 
 
 def no_fit_message(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, plan: Plan, pinned: set[str],
                    gpus: int = 0) -> str:
-    """One line: the smallest memory per GPU the recipe needs and the setting to change."""
+    """One line: the memory the recipe's nearest candidate needs on `gpu` (the table's first miss)
+    and the setting to change."""
     where = f"{gpu.memory_gib:g} GiB ({gpu.name})"
-    as_set = min_memory_gib(cfg, shape, gpu, pinned, gpus)
-    needs = f"needs {as_set:.1f} GiB per GPU as set" if as_set else "fits no GPU as set"
+    needs = f"needs {nearest_need_gib(plan):.1f} GiB per GPU as set" if plan.candidates else "fits no GPU as set"
     micro = {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}
     fixes = []  # one pinned key (the micro-batch pair counts as one) set free at a time
     for key in sorted(set(PLAN_KEYS) & pinned):
@@ -558,10 +549,9 @@ def no_fit_message(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, plan: Plan, 
             vllm_fits(c.breakdown, _with(cfg, c.values), shape, gpu) for c in unpinned.candidates):
         billions = shape.params() / 1e9
         return f"vLLM cannot hold {billions:.1f}B parameters in {where}; raise cluster.generator_tp"
-    least = min_memory_gib(cfg, shape, gpu, set(), gpus)
-    needs = f"needs at least {least:.1f} GiB per GPU" if least else "fits no GPU"
-    return (f"the recipe {needs}, more than {where}; raise learner.num_ranks (more GPUs shard the model) "
-            f"or shorten the rows (data.max_prompt_tokens, generation.max_new_tokens)")
+    return (f"the recipe needs at least {nearest_need_gib(unpinned):.1f} GiB per GPU with every memory key "
+            f"free, more than {where}; raise learner.num_ranks (more GPUs shard the model), use LoRA "
+            f"(learner.lora_rank) or shorten the rows (data.max_prompt_tokens, generation.max_new_tokens)")
 
 
 def _settings(values: dict[str, Any], pinned: set[str]) -> str:

