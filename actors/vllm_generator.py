@@ -290,13 +290,19 @@ class VLLMGenerator:
         version = old.lora_int_id + 1 if old is not None else 1
         targets = sorted({n.split(".lora_")[0].rsplit(".", 1)[-1] for n in tensors})
         folder = Path(self._lora_root) / f"v{version}"
+        start = time.perf_counter()
         save_adapter(tensors, adapter_config(self._lora, targets, self._model_path), folder)
+        written = time.perf_counter()
         self._lora_request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version,
                                          lora_path=str(folder))
         self.llm.llm_engine.add_lora(self._lora_request)
+        added = time.perf_counter()
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
             shutil.rmtree(old.lora_path, ignore_errors=True)
+        print(f"adapter v{version}: {sum(t.numel() for t in tensors.values()) / 1e6:.1f}M parameters, written in "
+              f"{written - start:.3f} s, loaded by vLLM in {added - written:.3f} s, old one dropped in "
+              f"{time.perf_counter() - added:.3f} s", flush=True)  # the engine's log: where adapter syncs spend
 
     def _begin_update(self) -> None:
         if not self._updating:
