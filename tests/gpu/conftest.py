@@ -33,7 +33,9 @@ def figures(request) -> dict[str, object]:
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    entry = _results.setdefault(report.nodeid, {"test": report.nodeid.split("::", 1)[-1], "outcome": "passed",
+    """A test's outcome is its call's (an interrupted test that never ran its call is `not run`);
+    a failing set-up or tear-down fails it; seconds add up over the three phases."""
+    entry = _results.setdefault(report.nodeid, {"test": report.nodeid.split("::", 1)[-1], "outcome": "not run",
                                                 "seconds": 0.0, "figures": {}})
     entry["seconds"] += report.duration
     for name, value in report.user_properties:
@@ -45,24 +47,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     elif report.skipped:
         entry["outcome"] = "skipped"
         entry["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    elif report.when == "call" and entry["outcome"] == "not run":
+        entry["outcome"] = "passed"
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get(RESULTS_ENV)
     if path:
         Path(path).write_text(json.dumps(list(_results.values()), indent=1, default=str))
-
-
-@pytest.fixture(scope="session")
-def qwen05b() -> Path:
-    """Qwen2.5-0.5B's architecture with random bf16 weights and the real Qwen2 tokenizer
-    (benchmarks/models.py), built once on the GPU under outputs/gpu-suite/models/."""
-    from benchmarks.models import build_random_model
-    from rlhf.assets import fetch_qwen2_tokenizer
-
-    root = Path(__file__).resolve().parents[2]
-    return build_random_model("random:qwen2.5-0.5b", root / "outputs" / "gpu-suite" / "models",
-                              tokenizer=fetch_qwen2_tokenizer())
 
 
 @pytest.fixture(scope="session")

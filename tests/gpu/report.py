@@ -26,7 +26,7 @@ from benchmarks.run import git_info, machine_info, versions  # noqa: E402
 
 
 def build_record(results: list[dict[str, Any]], command: str) -> dict[str, Any]:
-    counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped")}
+    counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped", "not run")}
     git = git_info() if (REPO / ".git").exists() else {"commit": "", "dirty": None}
     commit = os.environ.get("RLHF_COMMIT") or git["commit"] or "unknown (no .git: set RLHF_COMMIT)"
     from importlib.metadata import PackageNotFoundError, version
@@ -58,7 +58,8 @@ def format_summary(record: dict[str, Any], width: int = 160) -> str:
         text = (figs + (" | " if figs and note else "") + note)[: width - 80]
         rows.append(f"{r['test'][:62]:<62} {r['outcome']:<8} {r['seconds']:6.1f}  {text}")
     gpus = ", ".join(record["machine"].get("gpus", [])) or "no GPU"
-    rows.append(f"{record['passed']} passed, {record['failed']} failed, {record['skipped']} skipped in "
+    rows.append(f"{record['passed']} passed, {record['failed']} failed, {record['skipped']} skipped, "
+                f"{record['not run']} not run in "
                 f"{record['seconds']:.0f} s on {gpus} at {record['commit'][:12]}")
     return "\n".join(rows)
 

@@ -66,10 +66,13 @@ def test_packed_rows_under_flex_attention_train_like_padded_rows(smollm2, figure
 
 
 DPO = "configs/dpo_smollm2_cpu.yaml"
-DPO_ARGS = ("dpo.max_steps=2", "save_every=1", "eval_every=0", "learner.micro_batch_size=8")
+DPO_ARGS = ("dpo.max_steps=2", "save_every=1", "eval_every=0", "learner.micro_batch_size=8",
+            "learner.backend=deepspeed", "learner.zero_stage=3")
 
 
-def test_dpo_on_gpu_saves_and_resumes(smollm2, tmp_path, figures):
+def test_dpo_on_zero3_saves_and_resumes(smollm2, tmp_path, figures):
+    """DPO with its frozen reference, on DeepSpeed ZeRO-3: the checkpoint a GPU run saves (DeepSpeed's
+    shards, the HF export) loads, and the resumed run repeats step 1's loss."""
     full = train("scripts/train_dpo.py", DPO, tmp_path / "full", *DPO_ARGS)
     losses = full.series("loss")
     figures.update(losses=losses, run_s=round(full.seconds, 1))

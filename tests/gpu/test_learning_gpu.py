@@ -1,27 +1,40 @@
-"""A real model still learns on one GPU: SmolLM2-135M-Instruct on the GPU arithmetic recipe
-(configs/grpo_arithmetic_smollm2_1gpu.yaml: sums and differences up to 100, 128 prompts x 8
-samples a step), shortened to fit the suite. The margin was measured on an H100 first (README,
-"Testing on a GPU"): mean reward of the first five steps against the last five."""
+"""A real model still learns on one GPU, and a run resumed from its checkpoint repeats the next step:
+SmolLM2-135M-Instruct on the shipped GPU arithmetic recipe (configs/grpo_arithmetic_smollm2_1gpu.yaml:
+sums and differences up to 100, 128 prompts x 8 samples a step, FSDP2), shortened to fit the suite.
+The margin was measured on an H100 first (README, "Testing on a GPU"): the mean reward of the first
+five steps against the last five."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.gpu.suite import MISMATCH_MAX, train
+from tests.gpu.suite import MISMATCH_MAX, resume_from, same_step, train
 
 pytestmark = pytest.mark.gpu
-STEPS = 40
+RECIPE = "configs/grpo_arithmetic_smollm2_1gpu.yaml"
+STEPS, SAVED = 30, 15
+ARGS = (f"grpo.steps={STEPS}", f"save_every={SAVED}", "eval_every=0", "data.num_train=4096",
+        "generation.enforce_eager=true")
 MARGIN = 0.15
 
 
-def test_smollm2_learns_arithmetic(smollm2, tmp_path, figures):
-    run = train("scripts/train_grpo.py", "configs/grpo_arithmetic_smollm2_1gpu.yaml", tmp_path / "learn",
-                f"grpo.steps={STEPS}", "eval_every=0", "generation.enforce_eager=true", timeout=300)
+def test_smollm2_learns_arithmetic_and_resumes_exactly(smollm2, tmp_path, figures):
+    run = train("scripts/train_grpo.py", RECIPE, tmp_path / "learn", *ARGS)
     reward = run.series("reward/mean")
     early, late = sum(reward[:5]) / 5, sum(reward[-5:]) / 5
+    step_s = sorted(run.series("timing/step_s"))
     figures.update(reward_first5=round(early, 3), reward_last5=round(late, 3), run_s=round(run.seconds, 1),
-                   median_step_s=sorted(run.series("timing/step_s"))[len(reward) // 2],
+                   median_step_s=round(step_s[len(step_s) // 2], 2),
+                   median_sync_s=round(sorted(run.series("timing/sync_s"))[len(step_s) // 2], 3),
                    mismatch_max=round(max(run.series("mismatch/logprob_abs_diff")), 4))
     assert len(reward) == STEPS
     assert late - early >= MARGIN, reward
     assert figures["mismatch_max"] <= MISMATCH_MAX
+
+    # the resumed run trains step SAVED once more (grpo.steps=SAVED+1) and must repeat it exactly
+    resumed = resume_from(run, SAVED, tmp_path / "resumed", "scripts/train_grpo.py", RECIPE, *ARGS,
+                          f"grpo.steps={SAVED + 1}")
+    again = resumed.records[-1]
+    figures.update(resume_run_s=round(resumed.seconds, 1), loss=run.records[SAVED]["loss"], resumed_loss=again["loss"])
+    assert again["step"] == SAVED
+    assert not same_step(run.records[SAVED], again, ("reward/mean", "response_len/mean", "loss"))
