@@ -22,15 +22,16 @@ Choices:
      DeepSpeed's `offload_optimizer` moves masters, moments and gradient partitions to the host.
    - A reference model (DPO without `precompute_ref`, GRPO with `kl_coef > 0`, not with LoRA) is
      another sharded copy: fp32 under FSDP2, bf16 ZeRO-3 under DeepSpeed.
-   - Activations per token per decoder layer: b * (22h + 4f + 2a) bytes (h hidden, f MLP width,
+   - Activations per token per decoder layer: b * (13h + 4f + 2a) bytes (h hidden, f MLP width,
      a heads). The textbook 34h + 5as (Korthikanti et al. 2022) is for a 4h GELU MLP and eager
      attention; with SDPA/flash the s^2 term is gone (only the output and its log-sum-exp are
-     saved) and the SwiGLU MLP saves gate, up, act and product (4f). 22h is fitted to one
-     measurement (benchmarks/README.md, grpo-gpu-scale 1gpu: Qwen2.5-1.5B, micro-batch 16 rows,
-     about 4.5k tokens, learner peak 40.3 GiB on an H100); HF's fp32 RMSNorm upcasts are in it.
-     The issue's H200 run at micro-batch 64 peaked at 116 GiB, how measured is not recorded
-     (nvidia-smi's whole-GPU peak also holds vLLM's sleeping pool, the contexts and the allocator's
-     cache); this model predicts 92 GiB for that learner: the +-10% check on GPUs is still to do.
+     saved) and the SwiGLU MLP saves gate, up, act and product (4f); HF's fp32 RMSNorm upcasts are
+     in the h term. 13h fits three measured learner peaks on an H100 within 10%: Qwen2.5-1.5B at
+     micro-batch 16 rows, about 4.5k tokens (40.3 GiB, benchmarks/README.md grpo-gpu-scale: 38.6
+     predicted), and SmolLM2-135M at 49,152-token micro-batches of full-length rows (the GPU suite,
+     tests/gpu/test_grpo_gpu.py: FSDP2 39.7 GiB, 40.0 predicted; ZeRO-2 with LoRA 35.3, 38.3). An
+     earlier 22h, fitted to the 1.5B point alone, over-predicted the suite's large micro-batches by
+     37-49%.
      With activation checkpointing only each layer's input stays (b*h per token per layer) plus
      one layer's full set during its recomputation.
    - Logits: with `fused_head` one chunk of 1024 tokens x vocab (bf16 logits, their fp32 copy and
@@ -93,7 +94,7 @@ from rlhf.config import ConfigError, RunConfig, config_to_dict
 from rlhf.flops import train_flops_per_token
 
 GIB = 2**30
-ACT_HIDDEN, ACT_MLP, ACT_HEADS = 22, 4, 2  # activation elements per token per layer: 22h + 4f + 2a
+ACT_HIDDEN, ACT_MLP, ACT_HEADS = 13, 4, 2  # activation elements per token per layer: 13h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.logprobs.DEFAULT_CHUNK_TOKENS
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)

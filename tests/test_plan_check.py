@@ -308,7 +308,7 @@ def test_launch_refuses_7b_fsdp2_on_one_gpu_before_anything_starts(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = refusal(proc.stderr)
-    assert line is not None and "153.5 GiB per GPU" in line and "79.2 GiB (h100-80gb)" in line
+    assert line is not None and "130.8 GiB per GPU" in line and "79.2 GiB (h100-80gb)" in line
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="the JSON list conftest.py wrote (RLHF_GPU_RESULTS)")
     p.add_argument("--record", required=True, help="JSON-lines file the record is appended to")
-    p.add_argument("--log", help="pytest's output, copied with --copy-to")
+    p.add_argument("--log", nargs="*", default=[], help="logs copied with --copy-to (pytest's output, the runs')")
     p.add_argument("--command", default="bash tests/gpu/run.sh", help="the command that ran the suite")
     p.add_argument("--copy-to", help="also copy the record file, the results and the log here")
     args = p.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy_to:
         dest = Path(args.copy_to)
         dest.mkdir(parents=True, exist_ok=True)
-        for src in (out, path, args.log):
+        for src in (out, path, *args.log):
             if src and Path(src).exists():
                 shutil.copy(src, dest / Path(src).name)
     return 0

@@ -46,10 +46,13 @@ print(f"[gpu suite] {len(names)} GPU(s): {', '.join(names)} | torch {torch.__ver
 PY
 work=$(mktemp -d)
 set +e
-RLHF_GPU_RESULTS=$work/results.json "$PY" -m pytest tests/gpu -p no:cacheprovider -v -rs "$@" 2>&1 | tee "$work/pytest.log"
+paths=(tests/gpu)
+for a in "$@"; do [[ $a == tests/* ]] && paths=(); done  # test files named: run those, in that order
+RLHF_GPU_RESULTS=$work/results.json RLHF_GPU_RUNS_LOG=$work/runs.log \
+  "$PY" -m pytest "${paths[@]}" -p no:cacheprovider -v -rs "$@" 2>&1 | tee "$work/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
-"$PY" tests/gpu/report.py "$work/results.json" --log "$work/pytest.log" --record benchmarks/results/gpu-acceptance.jsonl \
+"$PY" tests/gpu/report.py "$work/results.json" --log "$work/pytest.log" "$work/runs.log" --record benchmarks/results/gpu-acceptance.jsonl \
   --command "bash tests/gpu/run.sh $*" \
   ${RLHF_GPU_COPY_TO:+--copy-to "$RLHF_GPU_COPY_TO"}
 exit "$status"
