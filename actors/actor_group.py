@@ -1,7 +1,14 @@
 """ActorGroup: N Ray actors of one class, pinned to placement-group bundles, with a rendezvous.
 
-Placement, the torch.distributed rendezvous address and fan-out live here and nowhere else.
-The `.options(...).remote(...)` call is made in exactly one place.
+Placement, the torch.distributed rendezvous (its address, the store the driver serves, the seal on
+it) and fan-out live here and nowhere else. The `.options(...).remote(...)` call is made in exactly
+one place.
+
+Listening sockets: the driver's store listens on the node's own address as Ray knows it (127.0.0.1
+under a local Ray, `actors.console.ray_init_kwargs`), never the wildcard; under a local Ray the
+actors' gloo, NCCL and vLLM sockets are kept on loopback too (`loopback_env`). A TCPStore has no
+authentication: its values are sealed with a per-group secret that the actors get through Ray
+(`SealedStore`, `RENDEZVOUS_KEY_ENV`), so a client without it cannot forge what the ranks read.
 
 Fan-out waits with `gather`: results come back in call order, but the first actor that dies or
 raises ends the wait at once with an `ActorFailure` naming it and the phase. A plain
@@ -18,8 +25,12 @@ The driver sets the limit from the config (`set_timeout`); actors get it through
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import os
 import re
+import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +39,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch.distributed import Store, TCPStore
 
 
 class ActorFailure(RuntimeError):
@@ -134,25 +146,171 @@ def _one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def host_store(world_size: int) -> tuple[str, int, Any]:
-    """A torch.distributed TCPStore served by this process (the driver) on a port the kernel picks
-    while binding: (address, port, store). The actors join it as clients. Picking a free port,
-    closing it and handing the number to an actor that binds it seconds later loses, now and then,
-    to any other process binding or connecting in between (vLLM engines and Ray's own sockets start
-    at the same time). Keep `store` alive as long as the process group."""
-    from torch.distributed import TCPStore
+def host_store(world_size: int, address: str | None = None) -> tuple[str, int, Any]:
+    """A torch.distributed TCPStore served by this process (the driver): (address, port, store).
+    It listens on `address` only (default: this node's address as Ray knows it, 127.0.0.1 under a
+    local Ray started by `actors.console.ray_init_kwargs`, the node's own IP in a cluster), never on
+    the wildcard: the socket is bound here and handed to the store (`master_listen_fd`), on a port
+    the kernel picks while binding. Picking a free port, closing it and handing the number to a
+    process that binds it seconds later loses, now and then, to any other process binding in
+    between (vLLM engines and Ray's own sockets start at the same time). The actors join as
+    clients (`join_store`). Keep `store` alive as long as the process group."""
+    address = address or ray.util.get_node_ip_address()
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((address, 0))
+        sock.listen(socket.SOMAXCONN)
+        store = TCPStore(address, sock.getsockname()[1], world_size + 1, is_master=True,
+                         wait_for_workers=False, use_libuv=True, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now, and closes it with itself
+    return address, store.port, store
 
-    store = TCPStore("0.0.0.0", 0, world_size + 1, is_master=True, wait_for_workers=False, use_libuv=True)
-    return ray.util.get_node_ip_address(), store.port, store
+
+RENDEZVOUS_KEY_ENV = "RLHF_RENDEZVOUS_KEY"
+"""Where a group's rendezvous secret is: the name of an entry of Ray's internal key-value store
+(in the GCS, namespace `KV_NAMESPACE`), set by the driver in the environment of the actors of a
+group with `rendezvous_store`. The secret itself travels over Ray's own channel (token-authenticated
+when the cluster has token auth), never over the TCPStore, and is not in the actors' runtime env,
+which Ray's runtime-env agent writes into its log."""
+KV_NAMESPACE = "rlhf"
+
+
+def publish_secret() -> tuple[str, str]:
+    """A new random secret, stored in Ray's internal KV: (its key, the secret)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    key, secret = f"rendezvous-{secrets.token_hex(8)}", secrets.token_hex(32)
+    _internal_kv_put(key, secret, namespace=KV_NAMESPACE)
+    return key, secret
+
+
+def rendezvous_secret() -> str | None:
+    """In an actor of a `rendezvous_store` group: its group's secret (`RENDEZVOUS_KEY_ENV`), read
+    from Ray's internal KV; None outside such a group."""
+    key = os.environ.get(RENDEZVOUS_KEY_ENV)
+    if not key:
+        return None
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    secret = _internal_kv_get(key, namespace=KV_NAMESPACE)
+    if secret is None:
+        raise RuntimeError(f"rendezvous secret {key} is not in Ray's internal KV (its group is shut down?)")
+    return secret.decode()
+
+
+def _forget_secret(key: str) -> None:
+    """Remove a group's secret from Ray's internal KV; a teardown never fails on it (Ray may be
+    going away)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    try:
+        _internal_kv_del(key, namespace=KV_NAMESPACE)
+    except Exception:  # noqa: BLE001 - the secret dies with the cluster anyway
+        pass
+
+
+class SealedStore(Store):
+    """A torch.distributed Store over another (a TCPStore client) whose values carry an HMAC-SHA256
+    tag of (key, value) under its group's secret: `set` tags, `get` refuses (PermissionError,
+    naming the key) a value without a valid tag. A TCPStore has no authentication; a client that
+    reaches its port but lacks the secret cannot forge what the ranks read from it (the peers'
+    addresses of the gloo group, NCCL's unique id): a rendezvous it rewrites fails, loudly, instead
+    of connecting a rank to it. Integrity only: it can still read the values, run up the `add`
+    counters and delete keys (a denial of service), and the collectives' own traffic (gloo, NCCL)
+    is neither authenticated nor encrypted."""
+
+    def __init__(self, inner: Any, secret: str) -> None:
+        super().__init__()
+        self._inner, self._secret = inner, secret
+
+    def _seal(self, key: str, value: bytes | str) -> bytes:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        return hmac.new(self._secret.encode(), key.encode() + b"\0" + raw, hashlib.sha256).digest() + raw
+
+    def _open(self, key: str, sealed: bytes) -> bytes:
+        tag, raw = sealed[:32], sealed[32:]
+        if not hmac.compare_digest(self._seal(key, raw)[:32], tag):
+            raise PermissionError(f"rendezvous key {key!r} holds a value not written by this run's ranks "
+                                  f"(another client reached the store at its port)")
+        return raw
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._inner.set(key, self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._inner.get(key))
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        old = self._seal(key, expected) if len(expected) else b""  # empty: the key must not exist yet
+        return self._open(key, self._inner.compare_set(key, old, self._seal(key, desired)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def clone(self) -> SealedStore:
+        return SealedStore(self._inner.clone(), self._secret)
+
+
+def join_store(master_addr: str, master_port: int, secret: str | None = None) -> Any:
+    """A learner's client of the driver's store (`host_store`), sealed with `secret` (default: its
+    group's, `rendezvous_secret`, when it is in one); pass it to `init_process_group(store=...)`."""
+    store = TCPStore(master_addr, master_port, is_master=False, use_libuv=True)
+    secret = secret or rendezvous_secret()
+    return SealedStore(store, secret) if secret else store
 
 
 @ray.remote(num_cpus=0)
 def node_address() -> tuple[str, int]:
-    """IP of the node this runs on and a free TCP port there (the rank-0 rendezvous address)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
+    """IP of the node this runs on and a TCP port free there (the rank-0 rendezvous address),
+    probed on that address only."""
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
         port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ip, port
+
+
+def loopback_interface() -> str:
+    """The network interface that carries 127.0.0.1 (`lo` on Linux)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return "lo"
+
+
+def loopback_env() -> dict[str, str]:
+    """Under a Ray whose node address is loopback (a local run, `actors.console.ray_init_kwargs`),
+    what keeps the actors' own sockets there too: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the
+    loopback interface (gloo otherwise binds the address the host name resolves to, NCCL its first
+    other interface), VLLM_HOST_IP is that address (vLLM otherwise advertises, and its world's
+    store binds, the address that routes outwards). A variable the user has set is kept. Elsewhere
+    {}: a cluster's actors bind their node's own address."""
+    ip = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(ip).is_loopback:
+        return {}
+    name = loopback_interface()
+    env = {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name, "VLLM_HOST_IP": ip}
+    return {var: value for var, value in env.items() if var not in os.environ}
 
 
 def load_class(spec: str) -> type:
@@ -169,7 +327,9 @@ class ActorGroup:
 
     `make_kwargs(rank, master_addr, master_port)` gives each actor's constructor arguments. With
     `rendezvous_store`, (master_addr, master_port) is a TCPStore this group serves from the driver
-    for the actors' `init_process_group` (`host_store`); else a free port on bundle 0's node.
+    for the actors' `init_process_group` (`host_store`), sealed with a random secret of this group's
+    that the actors find through Ray (`RENDEZVOUS_KEY_ENV`, `join_store`); else a free port on
+    bundle 0's node. Under a local Ray the actors' collectives are kept on loopback (`loopback_env`).
     """
 
     def __init__(
@@ -189,8 +349,12 @@ class ActorGroup:
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
 
         self.name = name  # actor i is "{name} {i}" in errors, e.g. "learner rank 1"
+        self._secret_key: str | None = None
+        env = {**loopback_env(), **(env or {})}
         if rendezvous_store:
             addr, port, self._store = host_store(len(bundles))
+            self._secret_key, _ = publish_secret()
+            env[RENDEZVOUS_KEY_ENV] = self._secret_key
         else:
             addr, port = ray.get(node_address.options(scheduling_strategy=place(bundles[0])).remote())
         remote_cls = ray.remote(cls)
@@ -226,3 +390,5 @@ class ActorGroup:
         finally:
             for a in self.actors:
                 ray.kill(a)
+            if self._secret_key:
+                _forget_secret(self._secret_key)

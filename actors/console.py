@@ -11,18 +11,27 @@ transformers and torch print goes to files under `<output_dir>/logs/`, unless `l
 
 Known-harmless warnings are dropped where they are raised, by a filter on the one logger that
 raises them, with the reason next to it (`HARMLESS`); every other line still reaches the files.
+
+Also here, as they set up the same processes: the `ray.init` arguments (a Ray instance the run
+starts listens on loopback only, `keep_local_ray_on_loopback`) and the worker setup hook (a
+TCPStore a worker hosts listens on its advertised address only, `bind_hosted_stores_to_their_address`).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from rlhf.config import RunConfig
 
@@ -86,10 +95,12 @@ def silence_harmless_warnings(*extra: tuple[str, re.Pattern[str]]) -> None:
 
 
 def setup_worker_process() -> None:
-    """Ray's `worker_process_setup_hook` for every worker of the run: drop the harmless warnings
+    """Ray's `worker_process_setup_hook` for every worker of the run: drop the harmless warnings,
+    keep a TCPStore it hosts on its advertised address (`bind_hosted_stores_to_their_address`)
     and, on a quiet run (LOG_DIR_ENV set), send this process's stdout and stderr, and so those of
     the processes it starts, to `<logs>/worker-<pid>.log` (renamed after its actor at the end)."""
     silence_harmless_warnings()
+    bind_hosted_stores_to_their_address()
     folder = os.environ.get(LOG_DIR_ENV)
     if not folder:
         return
@@ -101,11 +112,109 @@ def setup_worker_process() -> None:
     os.close(fd)
 
 
-def ray_init_kwargs(logs: Path, *, verbose: bool) -> dict:
-    """`ray.init` arguments: worker output to the terminal (verbose) or to files in `logs`."""
+_RENDEZVOUS = "torch.distributed.rendezvous"
+
+
+def bind_hosted_stores_to_their_address() -> None:
+    """Make a TCPStore that this process hosts through torch's `tcp://` or `env://` rendezvous (a
+    vLLM engine sets up its torch.distributed world that way, rank 0 serving the store) listen only
+    on the address its clients are given, where TCPStore by itself listens on every interface.
+    Applied when torch imports its rendezvous module (at once if it has already), so a worker
+    that never uses torch pays nothing."""
+    if _RENDEZVOUS in sys.modules:
+        _bind_rendezvous_stores(sys.modules[_RENDEZVOUS])
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_RENDEZVOUS, _bind_rendezvous_stores))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` once module `name` has been imported, then steps aside."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            run = spec.loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                run(module)
+                self.then(module)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _bind_rendezvous_stores(rendezvous: ModuleType) -> None:
+    """Wrap torch's `_create_c10d_store` (rank 0 hosts the store): bind the advertised host and
+    port here and hand the socket to the store (`master_listen_fd`). A host that is no address of
+    this machine keeps torch's own behaviour."""
+    create = rendezvous._create_c10d_store
+    if getattr(create, "binds_its_host", False):
+        return
+
+    def create_c10d_store(hostname: str, port: int, rank: int, world_size: int, timeout: Any,
+                          use_libuv: bool = True) -> Any:
+        if rank != 0 or rendezvous._torchelastic_use_agent_store():
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(hostname, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            return create(hostname, port, rank, world_size, timeout, use_libuv)
+        try:
+            sock.listen(socket.SOMAXCONN)
+            store = rendezvous.TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=True,
+                                        timeout=timeout, multi_tenant=True, use_libuv=use_libuv,
+                                        master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store owns the descriptor now
+        return store
+
+    create_c10d_store.binds_its_host = True  # type: ignore[attr-defined]
+    rendezvous._create_c10d_store = create_c10d_store
+
+
+def ray_init_kwargs(logs: Path, *, verbose: bool, local: bool | None = None) -> dict:
+    """`ray.init` arguments: worker output to the terminal (verbose) or to files in `logs`. For a
+    Ray instance the run starts itself (`local`; None: when RAY_ADDRESS is unset), one whose every
+    process listens on loopback only (`keep_local_ray_on_loopback`) and that serves no dashboard
+    web UI / Jobs API on port 8265 (a local run needs none; `ray job submit` needs one, on a head
+    the user starts, see scripts/submit.sh)."""
     env = {} if verbose else {LOG_DIR_ENV: str(logs.resolve())}
     hook = f"{__name__}.setup_worker_process"
-    return dict(log_to_driver=verbose, runtime_env={"worker_process_setup_hook": hook, "env_vars": env})
+    kwargs = dict(log_to_driver=verbose, runtime_env={"worker_process_setup_hook": hook, "env_vars": env})
+    if local is None:
+        local = not os.environ.get("RAY_ADDRESS")
+    if local:
+        keep_local_ray_on_loopback()
+        kwargs["include_dashboard"] = False
+    return kwargs
+
+
+def keep_local_ray_on_loopback() -> None:
+    """Make a Ray instance that `ray.init()` starts in this process take 127.0.0.1 as its node
+    address, and so listen on loopback only: its GCS, raylet and workers (the actors) bind their
+    gRPC servers to all interfaces unless the node address is 127.0.0.1, and so do the metrics
+    servers of the dashboard process, the dashboard agent and the autoscaler monitor; the agents'
+    HTTP servers bind the node address. Ray 2.60 on Linux replaces a 127.0.0.1 given as
+    `_node_ip_address` (or `ray start --node-ip-address`) with the address that routes outwards;
+    it keeps loopback only where multi-node clusters are off (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
+    read once, at import, into `ray_constants.ENABLE_RAY_CLUSTER`), so this turns that flag off in
+    this process. It only decides the address of a node this process starts: a driver joining a
+    cluster takes its address from the node it attaches to, and Ray's processes get their address
+    on their command line."""
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @contextmanager

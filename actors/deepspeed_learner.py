@@ -23,7 +23,11 @@ Choices:
    owns (batch sizes, accumulation, ZeRO stage, clipping, dtype, optimizer, scheduler) are set
    from our config after the merge, and HF Trainer's "auto" placeholders are dropped.
 5. Resumable state is DeepSpeed's own checkpoint (`engine.save_checkpoint`: fp32 master weights,
-   optimizer and scheduler, sharded per rank) under `train_state/`, next to the HF export.
+   optimizer and scheduler, sharded per rank) under `train_state/`, written after the HF export
+   (rlhf.checkpoint choice 6). DeepSpeed's files are pickles it reads with `weights_only=False`;
+   the driver loads only checkpoints signed on this machine (rlhf.checkpoint choice 4), and as a
+   second defence the engine's checkpoint reader is swapped for a weights-only one that knows
+   DeepSpeed's few state classes (`weights_only_load`).
 6. LoRA (learner_base choice 9): PEFT wraps the model before `deepspeed.initialize`, and the
    optimizer gets only the adapters; ZeRO then keeps fp32 masters and moments for them alone and
    leaves the frozen base weights in the module (sharded too under ZeRO-3).
@@ -154,11 +158,25 @@ class DeepSpeedLearner(LearnerRank):
         dist.barrier()
 
     def load(self, path: str) -> None:
+        """Restore what `save` wrote, reading no pickle that could run code (choice 5)."""
         state = Path(path) / "train_state"
+        self.engine.checkpoint_engine.load = weights_only_load
         loaded, _ = self.engine.load_checkpoint(str(state), tag=_TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {state}")
+
+
+def weights_only_load(path: str, map_location: Any = None) -> Any:
+    """A DeepSpeed state file through torch's weights-only unpickler (choice 5): tensors, plain
+    containers and DeepSpeed's loss-scaler, ZeRO-stage and fragment-address records; a pickle
+    that names anything else is refused before it runs."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def train_config(cfg: LearnerConfig, model_cfg: ModelConfig, world_size: int, *,

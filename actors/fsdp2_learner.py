@@ -9,7 +9,11 @@ Choices:
 2. Each decoder layer is its own FSDP unit, then the root: layer-by-layer all-gather overlaps with
    compute, and only one layer is unsharded at a time.
 3. Resumable state is torch.distributed.checkpoint (sharded model + optimizer) plus the scheduler;
-   the HF export next to it is gathered parameter by parameter.
+   the HF export next to it is gathered parameter by parameter, and written first (a save that
+   fails on the train state still leaves a whole model: rlhf.checkpoint choice 6). DCP pickles its
+   `.metadata`; the driver loads only checkpoints signed on this machine (rlhf.checkpoint choice
+   4), and as a second defence the learner reads that file with an unpickler that builds only
+   DCP's metadata classes, and DCP's non-tensor items (optimizer hyper-parameters) weights-only.
 4. LoRA (learner_base choice 9): PEFT wraps the model before `fully_shard`, so each decoder layer's
    FSDP unit holds its frozen base weights and its adapters together (FSDP2 allows mixed
    requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
@@ -19,11 +23,17 @@ Choices:
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -138,14 +148,82 @@ class FSDP2Learner(LearnerRank):
         dist.barrier()
 
     def load(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
+        """Restore what `save` wrote, reading no pickle that could run code (choice 3)."""
         out = Path(path)
         state = {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
         }
-        dcp.load(state, checkpoint_id=str(out / "train_state"))
+        load_train_state(state, out / "train_state")
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         self.scheduler.load_state_dict(torch.load(out / "train_state" / "scheduler.pt", weights_only=True))
+
+
+def load_train_state(state: dict[str, Any], folder: Path) -> None:
+    """torch.distributed.checkpoint's load of `folder` into `state`, with `.metadata` read by
+    `MetadataUnpickler` and the non-tensor items weights-only (choice 3)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = _SafeReader(str(folder))
+    try:
+        dcp.load(state, storage_reader=reader, planner=_SafePlanner())
+    except (Exception, CheckpointException):  # CheckpointException is a BaseException
+        if reader.refused is not None:  # DCP hides a failed metadata read behind "metadata is None"
+            raise reader.refused from None
+        raise
+
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_PATHS = ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
+            ("torch", "Size"), ("collections", "OrderedDict"),
+            *((module, name) for module in ("pathlib", "pathlib._local") for name in _PATHS)}
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's `.metadata` holds: the classes of its metadata module, its storage
+    records, torch sizes, dtypes, layouts and memory formats, and paths. Any other name (a planted
+    pickle's `os.system`) is refused before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            found = super().find_class(module, name)
+            if isinstance(found, type) and found.__module__ == _METADATA_MODULE:
+                return found
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, its `.metadata` read by MetadataUnpickler; `refused`: what it refused."""
+
+    refused: pickle.UnpicklingError | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                self.refused = pickle.UnpicklingError(f"{path}: {e}; not loaded")
+                raise self.refused from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, its non-tensor items (the optimizer's hyper-parameters) unpickled
+    weights-only; what the default planner then unpickles is our own re-serialization."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        buffer = io.BytesIO()
+        torch.save(torch.load(value, weights_only=True), buffer)
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)

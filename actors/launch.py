@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,18 +28,22 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
     print goes to `<output_dir>/logs/` (actors/console.py). Yields the output folder."""
     import ray
 
-    from actors.console import collect_ray_logs, describe_run, driver_logs_to_file, ray_init_kwargs
+    from actors.console import describe_run, driver_logs_to_file, ray_init_kwargs
     from rlhf.trackers import check_backends
 
     check_backends(cfg.logging.backends)  # a missing tracker package: one line, before anything starts
     out, verbose = Path(cfg.output_dir), cfg.logging.verbose
     logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    write_run_config(cfg, out)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        write_run_config(cfg, out)
+    except OSError as e:  # checked before (check_output_dir), but a disk can fill up or a folder vanish
+        raise ConfigError(f"output_dir={cfg.output_dir}: cannot write the run folder "
+                          f"({_one_line(e)})") from None
     print(describe_run(cfg), flush=True)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
     with driver_logs_to_file(logs, verbose=verbose):
-        context = ray.init(address=address, **ray_init_kwargs(logs, verbose=verbose))
+        context = ray.init(address=address, **ray_init_kwargs(logs, verbose=verbose, local=address is None))
         try:
             yield out
         except Exception as e:
@@ -48,7 +53,21 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
         finally:
             ray.shutdown()
             if not verbose:  # Ray's own logs only from an instance this run started
-                collect_ray_logs(logs, None if address else context.address_info.get("session_dir"))
+                gather_logs(logs, None if address else context.address_info.get("session_dir"))
+
+
+def gather_logs(logs: Path, session_dir: str | None) -> None:
+    """`collect_ray_logs` (actors/console.py), whose failure (a full disk, a vanished file) is one
+    warning line: in `ray_session`'s finally it must never replace the error the run is ending
+    with, nor bury it under a traceback of its own."""
+    from actors.console import collect_ray_logs
+
+    try:
+        collect_ray_logs(logs, session_dir)
+    except Exception as e:
+        kept = f"; Ray's own logs stay in {session_dir}/logs" if session_dir else ""
+        print(f"warning: the run's logs were not all gathered into {logs} ({_one_line(e)[:200]}){kept}",
+              file=sys.stderr)
 
 
 def write_run_config(cfg: RunConfig, out: Path) -> Path:
@@ -60,49 +79,79 @@ def write_run_config(cfg: RunConfig, out: Path) -> Path:
 
 def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         prepare: Callable[[RunConfig], tuple], run: Callable[..., None]) -> int:
-    """The entry scripts' `main`: parse `--config` and overrides, check the recipe is for
-    `algorithm`, settle the compute dtype for this machine, apply `memory.plan: auto`
-    (`with_memory_plan`), check the output folder and the checkpoint to resume from, run
-    `prepare(cfg)` (everything else that can fail on bad input), all before Ray starts; then `run(cfg, *prepared)`. Bad input prints one `error:` line and
-    returns 2; an actor that dies or hangs, one line naming it and where to resume, and 1."""
-    from rlhf.checkpoint import checkpoint_to_resume
-
+    """The entry scripts' `main`: everything that can fail on bad input, checked before Ray starts
+    (`checked_run`), then `run(cfg, *prepared)`. Bad input prints one `error:` line and returns 2;
+    an actor that dies or hangs, or a RunError, one line naming it and where to resume, and 1;
+    Ctrl-C, one line naming what was saved and how to resume, and 130 (Ray is shut down on the way
+    out: `ray_session`). Tracebacks go to `<output_dir>/logs/driver.log`, not the terminal."""
     try:
-        args = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse(
-            argv, default_config)
-        cfg = with_compute_dtype(load_config(args.config, args.overrides))
-        if cfg.algorithm != algorithm:
-            raise ConfigError(f"algorithm={cfg.algorithm!r}: this script trains {algorithm} recipes "
-                              f"(algorithm: {algorithm}); use scripts/train_{cfg.algorithm}.py")
-        cfg = with_memory_plan(cfg, args.config, args.overrides)
-        check_output_dir(cfg.output_dir)
-        check_model_folder(cfg.model.path)
-        if cfg.resume:
-            checkpoint_to_resume(cfg.output_dir, cfg.resume)  # verified now: a corrupt one is bad input
-        prepared = prepare(cfg)
-        if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
-            from actors.vllm_generator import settle_lora_sync
-            from rlhf.lora import check_lora
-
-            check_lora(cfg, prepared[0])  # target modules; adapters need the vLLM generator
-            cfg = settle_lora_sync(cfg, prepared[0])  # auto -> adapter or merged; adapters vLLM can serve
+        cfg, prepared = checked_run(doc, default_config, algorithm, argv, prepare)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C) before the run started; run the command again to start it",
+              file=sys.stderr)
+        return 130
     except (ValueError, OSError, RuntimeError, ImportError, KeyError) as e:  # ConfigError is a ValueError
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     try:
         run(cfg, *prepared)
+    except KeyboardInterrupt as e:
+        _end_progress_bars()
+        _log_traceback(cfg, e)
+        print(f"error: {interrupted(cfg)}", file=sys.stderr)
+        return 130
     except ConfigError as e:  # what only the Ray cluster can tell: too few GPUs for the layout
+        _end_progress_bars()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:
         from actors.actor_group import ActorFailure
-        from rlhf.grpo import RewardFailure
+        from rlhf.errors import RunError
 
-        if not isinstance(e, (ActorFailure, RewardFailure)):
+        if not isinstance(e, (ActorFailure, RunError)):
             raise
+        _end_progress_bars()
+        _log_traceback(cfg, e)
         print(f"error: {_one_line(e)}. {resume_hint(cfg)}", file=sys.stderr)
         return 1
     return 0
+
+
+def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
+                prepare: Callable[[RunConfig], tuple]) -> tuple[RunConfig, tuple]:
+    """Parse `--config` and overrides, check the recipe is for `algorithm`, settle the compute
+    dtype for this machine, apply `memory.plan: auto` (`with_memory_plan`), check the output folder
+    (writable; an earlier run there is refused without resume or overwrite: rlhf/run_folder.py)
+    and the checkpoint to resume from, run `prepare(cfg)` (everything else that can fail on bad
+    input, the resume's fit to its checkpoint included), and with overwrite=true delete the earlier
+    run last. Returns the settled config and what `prepare` returned."""
+    from rlhf.config_checks import check_files
+    from rlhf.run_folder import check_run_folder, clear_earlier_run
+
+    args = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse(
+        argv, default_config)
+    cfg = with_compute_dtype(load_config(args.config, args.overrides))
+    if cfg.algorithm != algorithm:
+        raise ConfigError(f"algorithm={cfg.algorithm!r}: this script trains {algorithm} recipes "
+                          f"(algorithm: {algorithm}); use scripts/train_{cfg.algorithm}.py")
+    cfg = with_memory_plan(cfg, args.config, args.overrides)
+    check_output_dir(cfg.output_dir)
+    check_model_folder(cfg.model.path)
+    check_files(cfg)  # learner.deepspeed_config
+    check_run_folder(cfg)  # an earlier run without resume/overwrite; the checkpoint to resume verified
+    prepared = prepare(cfg)
+    from rlhf.checkpoint import preflight_checkpoints
+
+    preflight_checkpoints(cfg, prepared[0])  # the signing key; room on the disk for the checkpoints
+    if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
+        from actors.vllm_generator import settle_lora_sync
+        from rlhf.lora import check_lora
+
+        check_lora(cfg, prepared[0])  # target modules; adapters need the vLLM generator
+        cfg = settle_lora_sync(cfg, prepared[0])  # auto -> adapter or merged; adapters vLLM can serve
+    if cfg.overwrite and (cleared := clear_earlier_run(cfg.output_dir)):
+        print(cleared)  # last: nothing is deleted for a run that bad input stops
+    return cfg, prepared
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,13 +222,18 @@ def planned_gpu(kind: str, memory_gib: float = 0.0) -> GpuKind | None:
 
 
 def check_output_dir(output_dir: str) -> None:
-    """The run folder exists or can be made, and is a writable folder (not a file)."""
+    """The run folder exists or can be made, and is a writable folder (not a file). Tried, not
+    asked: as root os.access says yes to /proc or /sys, where nothing can be created; a folder made
+    and removed again in the deepest part of the path that exists says what creating it will."""
     out = Path(output_dir)
     existing = next((p for p in (out, *out.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ConfigError(f"output_dir={output_dir!r}: {existing} is a file, not a folder")
-    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir={output_dir!r}: {existing} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rlhf-write-test-", dir=existing))
+    except OSError as e:
+        raise ConfigError(f"output_dir={output_dir!r}: nothing can be created in {existing or Path.cwd()} "
+                          f"({e.strerror or type(e).__name__}); choose a folder you can write to") from None
 
 
 def check_model_folder(path: str) -> None:
@@ -199,8 +253,42 @@ def _one_line(e: BaseException) -> str:
 def resume_hint(cfg: RunConfig) -> str:
     """Where a failed run can continue from."""
     from rlhf.checkpoint import latest_checkpoint
+    from rlhf.run_folder import earlier_run
 
     path = latest_checkpoint(cfg.output_dir)
-    if path is None:
-        return "No checkpoint was written; rerun from the start (save_every=K keeps one every K steps)"
-    return f"Resume from {path} with resume=true"
+    if path is not None:
+        return f"Resume from {path} with resume=true"
+    kept = sorted(Path(cfg.output_dir, "checkpoints").glob("step_*_model_only"))
+    if kept:  # a save that failed kept the finished model (rlhf.checkpoint)
+        return f"No resumable checkpoint was written; the trained model is in {kept[-1]}"
+    again = "start it again with overwrite=true" if earlier_run(cfg.output_dir) else "run it again"
+    return f"No checkpoint was written; {again} (save_every=K keeps one every K steps)"
+
+
+def interrupted(cfg: RunConfig) -> str:
+    """The line for a run stopped by Ctrl-C: how far it got, what was saved, how to resume."""
+    from rlhf.run_folder import metrics_steps, steps_done
+
+    steps = metrics_steps(cfg.output_dir)
+    return f"interrupted (Ctrl-C){f' after {steps_done(steps)}' if steps else ''}. {resume_hint(cfg)}"
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bar a run ended inside of (it ends its line), so that the error line
+    starts a line of its own and no bar is drawn after it at exit."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+def _log_traceback(cfg: RunConfig, e: BaseException) -> None:
+    """Append the driver's traceback of a run-ending failure to `<output_dir>/logs/driver.log`
+    (the terminal gets one line); nothing when that folder is not there."""
+    import traceback
+
+    try:
+        with open(Path(cfg.output_dir) / "logs" / "driver.log", "a") as f:
+            f.write("run ended by:\n" + "".join(traceback.format_exception(e)))
+    except OSError:
+        pass

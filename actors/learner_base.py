@@ -43,10 +43,15 @@ Shared choices:
    leave the learner as `learner.lora_sync` says: `merged` (W + alpha/r * B @ A under the HF
    names, an ordinary full push) or `adapter` (the A/B tensors only, PEFT file names). HF exports
    are always merged; checkpoints also hold the adapter in PEFT format (`adapter/`).
+10. A step whose loss or global grad norm is NaN/inf on any rank is skipped (gradients dropped, no
+   optimizer or scheduler step; one all-reduce, so all ranks agree; DeepSpeed's engine does it
+   itself): `train/nonfinite_skipped` = 1. After an update, `train/nonfinite_params` = 1 says that
+   the weights' local shards hold NaN/inf. The driver decides what follows (rlhf.metrics.TrainHealth).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -56,6 +61,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
 from rlhf.batching import micro_batches
@@ -114,10 +120,11 @@ class LearnerRank:
         # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
         self._dev = self.device.torch_device(0)
         if not dist.is_initialized():
-            # The driver's store (actors.actor_group.host_store), joined as a client; else env://,
-            # where rank 0 serves the store on master_port.
-            store = (dist.TCPStore(master_addr, master_port, is_master=False, use_libuv=True)
-                     if driver_store else None)
+            # The driver's store (actors.actor_group.host_store), joined as a client and sealed with the
+            # group's secret; else env://, where rank 0 serves the store on master_port.
+            from actors.actor_group import join_store
+
+            store = join_store(master_addr, master_port) if driver_store else None
             dist.init_process_group(self.device.dist_backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
 
@@ -215,8 +222,9 @@ class LearnerRank:
         return out
 
     def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
-        """Forward/backward over micro-batches, clip, one optimizer step. Metrics follow the
-        objective's contract (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
+        """Forward/backward over micro-batches, clip, one optimizer step (none where the loss or the
+        gradient is not finite: choice 10). Metrics follow the objective's contract
+        (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
         self.device.synchronize()
@@ -226,6 +234,7 @@ class LearnerRank:
         dist.all_reduce(units)
         denominator = max(float(units), 1.0)
         sums: dict[str, float] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._dev)  # what was backpropagated
         for i in range(count):
             real = i < len(mbs)
             mb = mbs[i][1] if real else batch.dummy()
@@ -234,15 +243,43 @@ class LearnerRank:
             if not real:
                 loss, metrics = loss * 0.0, {}
             self._backward(loss * self.world_size)
+            loss_sum += loss.detach()
             merge_metrics(sums, metrics)
-        grad_norm = self._optimizer_step()
+        grad_norm, skipped = self._step_if_finite(loss_sum)
+        broken = not skipped and not self._weights_finite()
         self.device.synchronize()
         seconds = time.perf_counter() - start
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
         metrics = self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
-        metrics.values.update(self._perf(flops, seconds))
+        metrics.values.update({"train/nonfinite_skipped": float(skipped), "train/nonfinite_params": float(broken),
+                               **self._perf(flops, seconds)})
         return metrics
+
+    def _step_if_finite(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
+        """The optimizer step unless the loss or the global grad norm is NaN/inf on some rank
+        (choice 10). Returns (grad norm, skipped), the same on every rank."""
+        grads = [g for g in (_local(p.grad) for p in self.model.parameters() if p.grad is not None) if g.numel()]
+        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else torch.zeros(())
+        check = torch.stack([(~torch.isfinite(loss_sum)).double(), squares.to(self._dev, torch.float64)])
+        dist.all_reduce(check)  # [ranks with a NaN/inf loss, squared norm of the shards' gradients]
+        norm = math.sqrt(float(check[1]))
+        if not (check[0] == 0 and norm <= torch.finfo(torch.float32).max) and unwrapped(self.model) is self.model:
+            self.model.zero_grad(set_to_none=True)
+            return norm, True
+        # DeepSpeed's engine keeps its gradients out of sight (no .grad here) and skips a NaN/inf
+        # grad norm itself, clearing them and reporting the norm as inf.
+        grad_norm = self._optimizer_step()
+        return grad_norm, not math.isfinite(grad_norm)
+
+    def _weights_finite(self) -> bool:
+        """Whether every trainable weight is finite on every rank (a max-abs per local shard)."""
+        local = [t.detach() for t in (_local(p) for p in self.model.parameters() if p.requires_grad) if t.numel()]
+        bad = torch.zeros((), device=self._dev)
+        if local:
+            bad += (~torch.stack(torch._foreach_norm(local, math.inf)).isfinite()).any().to(self._dev)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def _perf(self, flops: float, seconds: float) -> dict[str, float]:
         """Model FLOP/s of the step per device (`perf/tflops_per_device`) and, where the device's
@@ -359,6 +396,14 @@ def first_scored_column(loss_mask: torch.Tensor) -> int:
     mask (a dummy micro-batch)."""
     cols = loss_mask.bool().any(0).nonzero()
     return max(1, int(cols[0])) if cols.numel() else 1
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight or gradient: an FSDP2 DTensor's local shard, a ZeRO-3
+    parameter's partition (`ds_tensor`), else the tensor itself."""
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return getattr(t, "ds_tensor", t)
 
 
 def _item_rows(batch: Batch, items: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ from rlhf.types import PromptRow
 
 
 class RewardWorker:
-    """Holds the policy's tokenizer and the process pool (per-sample timeouts, failures counted) for the
-    whole run."""
+    """Holds the policy's tokenizer and the process pool (time limits that bound a step, failures
+    counted) for the whole run."""
 
     def __init__(self, cfg: RewardConfig, tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
@@ -33,11 +33,13 @@ class RewardWorker:
         from rlhf.evaluate import PoolScorer
 
         self.scorer = PoolScorer(cfg.functions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_path),
-                                 timeout_s=cfg.timeout_s, num_workers=cfg.num_workers)
+                                 timeout_s=cfg.timeout_s, num_workers=cfg.num_workers,
+                                 warn_failed_frac=cfg.warn_failed_frac)
 
     def score(self, rows: list[PromptRow], token_ids: list[list[int]]
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-        return self.scorer.score(rows, token_ids)
+              ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        """Rewards, metrics and the step's warning lines (rewards.pool choice 7), which the driver prints."""
+        return self.scorer.score_and_warnings(rows, token_ids)
 
     def close(self) -> None:
         self.scorer.close()
@@ -52,7 +54,14 @@ class RayRewardScorer:
 
     def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
               ) -> tuple[torch.Tensor, dict[str, float]]:
-        return gather([self.actor.score.remote(list(rows), list(token_ids))], ["reward worker"], "reward")[0]
+        """Scored in the actor; a reward that failed on too many samples gets its line on the
+        driver's terminal here (the actor's own stdout goes to its log)."""
+        from rlhf.evaluate import print_lines
+
+        rewards, metrics, warnings = gather([self.actor.score.remote(list(rows), list(token_ids))],
+                                            ["reward worker"], "reward")[0]
+        print_lines(warnings)
+        return rewards, metrics
 
     def shutdown(self) -> None:
         try:

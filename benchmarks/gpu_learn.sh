@@ -10,4 +10,4 @@
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" -m rlhf.assets fetch smollm2-135m-instruct
-exec "$PY" scripts/train_grpo.py --config configs/grpo_arithmetic_smollm2_1gpu.yaml "$@"
+exec "$PY" scripts/train_grpo.py --config configs/grpo_arithmetic_smollm2_1gpu.yaml overwrite=true "$@"  # a rerun starts afresh

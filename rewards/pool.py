@@ -1,21 +1,26 @@
-"""Scores completions with reward functions in worker processes, with a per-sample time limit.
+"""Scores completions with reward functions in separate processes, with time limits per sample
+that bound a step: a hanging sample does not hold up the others.
 
     with RewardPool([("rewards.answers:exact_answer", 1.0)], timeout_s=10, num_workers=2) as pool:
         rewards, metrics = pool.score(prompts, completions, rows)
 
 Choices:
 1. Processes, not threads: a reward stuck in C code (a sympy simplification) cannot be
-   interrupted in a thread, but its process can be killed. Workers are fresh interpreters
-   (`python -c`, talking over a socket pair): nothing is forked from a parent that holds torch,
-   CUDA or Ray threads, and unlike multiprocessing's "spawn" the parent's `__main__` is not
-   re-run, so an unguarded script, a notebook or a Ray worker can own a pool.
-2. Functions travel as spec strings and each worker re-imports them: user functions need not be
+   interrupted in a thread, but its process can be killed. One fresh interpreter (`python -c`,
+   over a socket pair), the zygote, imports the functions and forks the runners: nothing is forked
+   from a parent that holds torch, CUDA or Ray threads, the parent's `__main__` is never re-run
+   (an unguarded script, a notebook or a Ray worker can own a pool), and a runner costs a fork.
+2. Functions travel as spec strings and the zygote re-imports them: user functions need not be
    picklable, and every process runs the code the parent already checked at start-up.
-3. A batch is cut into chunks, about four per worker, for balance. A worker runs a chunk one unit
-   at a time (one sample of a plain function; the whole chunk of a batched or async function) and
-   reports after each unit; the parent allows each unit `timeout_s` per sample. On a time-out it
-   terminates the worker, starts a replacement and sends the chunk's remaining units again.
-4. A raise, a non-number, a NaN/inf or a crashed worker scores 0 for that function and counts in
+3. Scheduling: a unit is one sample of a plain function (a chunk, about four per runner, of a
+   batched or async one, allowed `timeout_s` per sample of it). Each of the `num_workers` runners
+   runs one unit at a time in its main thread, so a crash is charged to exactly the unit that
+   caused it and nothing runs twice. A unit still running after `timeout_s / 20` (at most 0.25 s)
+   retires its runner: a newly forked one takes over and the step goes on beside it, while the
+   old one finishes its unit or is killed at the limit (a time-out). Hangs so overlap instead of
+   queueing: a step takes its real work plus about one `timeout_s`, not one per hang. And once no
+   unit has finished for a whole limit (every runner hung), the units not started time out at once.
+4. A raise, a non-number, a NaN/inf or a crashed runner scores 0 for that function and counts in
    `reward/failed`; a hang scores 0 and counts in `reward/timeouts`. The run goes on. Each cause
    has its own count (`reward/failed/<cause>`, `CAUSES`), and `reward/<name>/failed_frac` is the
    share of samples a function failed on (1.0: every one, which the GRPO loop stops on when it
@@ -24,147 +29,40 @@ Choices:
 5. None means "not applicable": left out of that function's mean, 0 in the weighted sum.
 6. `num_workers=0` runs everything in the calling process, for debugging: errors are still caught
    and counted and async functions still time out, but a plain function that hangs hangs the caller.
+7. After each `score`, `warnings` holds one line per function that failed or timed out on more
+   than `warn_failed_frac` of the samples (`reward.warn_failed_frac`), naming the function, the
+   count and the cause; the caller prints it (rlhf.evaluate.PoolScorer, actors.reward_worker).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import contextlib
 import logging
 import math
 import multiprocessing as mp
-import numbers
-import signal
 import subprocess
 import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recv_handle
 from typing import Any
 
-from rewards.api import (RewardFn, RewardLoadError, WeightedReward, _one_line, combine, is_async, is_batched,
-                         load_reward_fn, row_kwargs, run_awaitable)
+from rewards.api import RewardLoadError, WeightedReward, combine, is_async, is_batched
+from rewards.runners import CAUSES, DIED, OK, TIMEOUT, Outcome, run_unit
+
+__all__ = ["CAUSES", "RewardPool", "run_unit"]
 
 logger = logging.getLogger(__name__)
 
-OK, RAISED, TIMEOUT, NOT_A_NUMBER, NONFINITE, DIED = range(6)
-CAUSES = {RAISED: "exception", NOT_A_NUMBER: "not_a_number", NONFINITE: "nonfinite", DIED: "worker_died"}
-"""Failure statuses -> the `reward/failed/<cause>` metric names (a time-out is `reward/timeouts`)."""
-Outcome = tuple[int, float | None, str | None]  # (status, value, error text)
-Unit = tuple[int, list[int]]  # (function index, positions within the chunk)
-Item = tuple[str, str, Mapping[str, Any]]  # (prompt, completion, row)
-
 _CHUNKS_PER_WORKER = 4
-_GRACE_S = 0.5  # slack on top of a unit's limit, so an async wait_for in the worker fires first
+_GRACE_S = 0.5  # slack on top of a unit's limit, so an async wait_for in the runner fires first
+_SUSPECT_MAX_S = 0.25  # a unit running longer (or past timeout_s / 20) retires its runner (choice 3)
 _STARTUP_TIMEOUT_S = 120.0
-
-
-# --------------------------------------------------------------------------------------------
-# Running one unit: used by the workers and by the in-process mode.
-
-
-def _outcome(value: Any) -> Outcome:
-    if value is None:
-        return (OK, None, None)
-    if not isinstance(value, numbers.Real):
-        shown = _one_line(repr(value), 60)
-        return (NOT_A_NUMBER, None, f"returned {type(value).__name__} {shown}, not a float or None")
-    value = float(value)
-    if not math.isfinite(value):
-        return (NONFINITE, None, f"returned {value}")
-    return (OK, value, None)
-
-
-def _error(e: BaseException) -> Outcome:
-    return (RAISED, None, f"{type(e).__name__}: {_one_line(e)}")
-
-
-async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
-    return await asyncio.wait_for(awaitable, timeout_s)
-
-
-def _run_plain(fn: RewardFn, item: Item, timeout_s: float) -> Outcome:
-    prompt, completion, row = item
-    try:
-        value = fn(prompt, completion, **row_kwargs(row))
-        if inspect.isawaitable(value):
-            value = run_awaitable(_within(value, timeout_s))
-    except TimeoutError:
-        return (TIMEOUT, None, None)
-    except Exception as e:
-        return _error(e)
-    return _outcome(value)
-
-
-async def _gather(fn: RewardFn, items: list[Item], timeout_s: float) -> list[Outcome]:
-    async def one(prompt: str, completion: str, row: Mapping[str, Any]) -> Outcome:
-        try:
-            return _outcome(await asyncio.wait_for(fn(prompt, completion, **row_kwargs(row)), timeout_s))
-        except TimeoutError:
-            return (TIMEOUT, None, None)
-        except Exception as e:
-            return _error(e)
-
-    return list(await asyncio.gather(*(one(*item) for item in items)))
-
-
-def _run_batched(fn: RewardFn, items: list[Item], timeout_s: float) -> list[Outcome]:
-    n = len(items)
-    keys = dict.fromkeys(k for _, _, row in items for k in row_kwargs(row))
-    columns = {k: [row.get(k) for _, _, row in items] for k in keys}
-    try:
-        values = fn([p for p, _, _ in items], [c for _, c, _ in items], **columns)
-        if inspect.isawaitable(values):
-            values = run_awaitable(_within(values, timeout_s * n))
-        values = list(values)
-        if len(values) != n:
-            raise ValueError(f"returned {len(values)} values for {n} samples")
-    except TimeoutError:
-        return [(TIMEOUT, None, None)] * n
-    except Exception as e:
-        return [_error(e)] * n
-    return [_outcome(v) for v in values]
-
-
-def run_unit(fn: RewardFn, prompts: Sequence[str], completions: Sequence[str],
-             rows: Sequence[Mapping[str, Any]], positions: Iterable[int], timeout_s: float) -> list[Outcome]:
-    """Outcomes of `fn` on the samples at `positions`; never raises for the function's faults."""
-    items = [(prompts[i], completions[i], rows[i]) for i in positions]
-    if is_batched(fn):
-        return _run_batched(fn, items, timeout_s)
-    if is_async(fn):
-        return run_awaitable(_gather(fn, items, timeout_s))
-    return [_run_plain(fn, item, timeout_s) for item in items]
-
-
-def _worker_main(fd: int) -> None:
-    """Worker process: load the functions, then run the units of each chunk it is sent."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    conn = Connection(fd)
-    specs, timeout_s = conn.recv()
-    try:
-        fns = [load_reward_fn(spec) for spec in specs]
-    except Exception as e:
-        conn.send(("error", str(e)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            return
-        if task is None:
-            return
-        units, prompts, completions, rows = task
-        for fn_index, positions in units:
-            conn.send(("unit", run_unit(fns[fn_index], prompts, completions, rows, positions, timeout_s)))
-
-
-# --------------------------------------------------------------------------------------------
-# The parent side.
+_TICK_S = 0.02  # the scheduler's longest sleep between looks at the clock
 
 
 class _Tally:
@@ -172,9 +70,8 @@ class _Tally:
 
     def __init__(self, num_fns: int, n: int) -> None:
         self.values: list[list[float | None]] = [[None] * n for _ in range(num_fns)]
-        self.failed = [0] * num_fns
         self.timeouts = [0] * num_fns
-        self.causes = dict.fromkeys(CAUSES, 0)
+        self.causes = [dict.fromkeys(CAUSES, 0) for _ in range(num_fns)]  # failures per cause, per function
         self.first_error: list[str | None] = [None] * num_fns
 
     def add(self, f: int, indices: list[int], outcomes: list[Outcome]) -> None:
@@ -183,101 +80,126 @@ class _Tally:
             if status == TIMEOUT:
                 self.timeouts[f] += 1
             elif status != OK:
-                self.failed[f] += 1
-                self.causes[status] += 1
+                self.causes[f][status] += 1
                 self.first_error[f] = self.first_error[f] or error
 
     def summarize(self, reward: WeightedReward) -> tuple[list[float], dict[str, float]]:
         n = len(self.values[0])
         totals = [math.fsum(t.weight * (self.values[f][i] or 0.0) for f, t in enumerate(reward.terms))
                   for i in range(n)]
+        failed = [sum(c.values()) for c in self.causes]
         metrics = {"reward/mean": math.fsum(totals) / n if n else 0.0,
-                   "reward/failed": float(sum(self.failed)), "reward/timeouts": float(sum(self.timeouts))}
+                   "reward/failed": float(sum(failed)), "reward/timeouts": float(sum(self.timeouts))}
         if n:  # an empty batch has nothing to count
-            metrics.update({f"reward/failed/{name}": float(self.causes[c]) for c, name in CAUSES.items()})
+            metrics.update({f"reward/failed/{name}": float(sum(c[s] for c in self.causes))
+                            for s, name in CAUSES.items()})
         for f, term in enumerate(reward.terms):
             if n:
-                metrics[f"reward/{term.name}/failed_frac"] = (self.failed[f] + self.timeouts[f]) / n
+                metrics[f"reward/{term.name}/failed_frac"] = (failed[f] + self.timeouts[f]) / n
             applicable = [v for v in self.values[f] if v is not None]
             if applicable:
                 metrics[f"reward/{term.name}/mean"] = math.fsum(applicable) / len(applicable)
-            if self.failed[f] or self.timeouts[f]:
+            if failed[f] or self.timeouts[f]:
                 logger.warning("reward %s: %d of %d samples failed, %d timed out; first error: %s", term.name,
-                               self.failed[f], n, self.timeouts[f], self.first_error[f])
+                               failed[f], n, self.timeouts[f], self.first_error[f])
         return totals, metrics
 
+    def warnings(self, reward: WeightedReward, above: float, timeout_s: float) -> list[str]:
+        """One line per function that failed or timed out on more than `above` of the samples (choice 7)."""
+        n, lines = len(self.values[0]), []
+        for f, term in enumerate(reward.terms):
+            failed = {CAUSES[s]: k for s, k in self.causes[f].items() if k}
+            bad = sum(failed.values()) + self.timeouts[f]
+            if not n or bad <= above * n:
+                continue
+            parts = ([f"{self.timeouts[f]} timed out (reward.timeout_s={timeout_s:g})"] if self.timeouts[f] else [])
+            parts += [f"{k} {cause}" for cause, k in failed.items()]
+            what = ("failed or timed out" if self.timeouts[f] else "failed") if failed else "timed out"
+            cause = f"reward.timeout_s={timeout_s:g}" if not failed else ", ".join(parts)
+            first = f"; first error: {self.first_error[f]}" if failed else ""
+            lines.append(f"reward {term.spec or term.name}: {bad}/{n} samples {what} ({cause}{first}); scored 0")
+        return lines
+
 
 @dataclass(eq=False)
-class _Task:
-    indices: list[int]  # batch indices of the chunk's samples
-    units: deque[Unit]  # still to run, in the worker's order
+class _Unit:
+    f: int  # function index
+    indices: list[int]  # batch indices of its samples
 
 
 @dataclass(eq=False)
-class _Worker:
+class _Runner:
+    pid: int
+    conn: Connection
+    unit: _Unit | None = None
+    started_at: float = 0.0
+    retired: bool = False  # its unit ran past the suspect time: a fresh runner took its lane (choice 3)
+
+
+@dataclass(eq=False)
+class _Zygote:
     process: subprocess.Popen
     conn: Connection
     started_at: float
     ready: bool = False
-    task: _Task | None = None
-    unit_started_at: float = 0.0
 
 
-def _kill(worker: _Worker) -> None:
-    proc = worker.process
-    if proc.poll() is None:
-        proc.terminate()
+@dataclass(eq=False)
+class _Step:
+    queue: deque[_Unit]  # units not yet started
+    progress: float  # when a unit last finished in time (or the zygote became ready): choice 3's stall clock
+    window: float  # the stall limit: timeout_s times the largest unit
+
+
+def _stop(zygote: _Zygote | None, runners: list[_Runner]) -> None:
+    """Ask every runner and the zygote to exit (the zygote kills what is left); kill a lingering zygote."""
+    conns = [r.conn for r in runners] + ([zygote.conn] if zygote else [])
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.send(None)
+    if zygote is not None:
         try:
-            proc.wait(1.0)
+            zygote.process.wait(2.0)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    worker.conn.close()
-
-
-def _stop_workers(workers: list[_Worker]) -> None:
-    for w in workers:
-        try:
-            w.conn.send(None)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 2.0
-    for w in workers:
-        try:
-            w.process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        _kill(w)
-    workers.clear()
+            zygote.process.kill()
+            zygote.process.wait()
+    for conn in conns:
+        conn.close()
+    runners.clear()
 
 
 class RewardPool:
-    """Weighted reward functions run in `num_workers` worker processes (0: in this process).
+    """Weighted reward functions run in `num_workers` runner processes (0: in this process).
 
     `fns` is what `rewards.combine` takes (specs, `(spec, weight)` pairs, RewardFnConfig-like
     objects) or a WeightedReward. Every spec is loaded here first, so a bad spec fails now.
     `score` returns one weighted reward per sample and metrics: `reward/mean`, `reward/failed`,
-    `reward/timeouts` (counts of (function, sample) pairs) and `reward/<name>/mean` per function.
-    A batched or async function gets `timeout_s` times its chunk size per chunk. One `score`
-    call at a time: the pool is not thread-safe.
+    `reward/timeouts` (counts of (function, sample) pairs) and `reward/<name>/mean` per function;
+    `warnings` then holds the lines of choice 7. One `score` call at a time: not thread-safe.
     """
 
-    def __init__(self, fns: Any, *, timeout_s: float = 10.0, num_workers: int = 2) -> None:
+    def __init__(self, fns: Any, *, timeout_s: float = 10.0, num_workers: int = 2,
+                 warn_failed_frac: float = 0.1) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0")
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers!r} must be >= 0")
         self.reward = fns if isinstance(fns, WeightedReward) else combine(fns)
-        self.timeout_s = float(timeout_s)
+        self.timeout_s, self.num_workers, self.warn_failed_frac = float(timeout_s), num_workers, warn_failed_frac
+        self.warnings: list[str] = []
+        self._suspect_s = min(_SUSPECT_MAX_S, self.timeout_s / 20)
         self._specs = [t.spec for t in self.reward.terms]
         unsendable = [t.name for t in self.reward.terms if t.spec is None]
         if num_workers and unsendable:
             raise RewardLoadError(f"reward function(s) {', '.join(unsendable)} cannot be sent to worker "
                                   "processes (lambda, closure or __main__): pass a 'module:function' spec "
                                   "or use num_workers=0")
-        self._workers: list[_Worker] = []
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-        self._workers.extend(self._start_worker() for _ in range(num_workers))
+        self._runners: list[_Runner] = []
+        self._forking = 0  # runners asked of the zygote, not yet handed over
+        self._zygote = self._start_zygote() if num_workers else None
+        self._finalizer = weakref.finalize(self, _stop, self._zygote, self._runners)
+        if self._zygote is not None:
+            self._fill_lanes()  # forked as soon as the zygote is up
 
     def __enter__(self) -> RewardPool:
         return self
@@ -286,7 +208,7 @@ class RewardPool:
         self.close()
 
     def close(self) -> None:
-        """Stop the workers (idempotent)."""
+        """Stop the processes (idempotent)."""
         self._finalizer()
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
@@ -298,119 +220,138 @@ class RewardPool:
         if len(completions) != n or len(rows) != n:
             raise ValueError(f"got {n} prompts, {len(completions)} completions and {len(rows)} rows")
         tally = _Tally(len(self.reward.terms), n)
-        if not self._workers:
+        if self._zygote is None:
             for f, term in enumerate(self.reward.terms):
                 outcomes = run_unit(term.fn, prompts, completions, rows, range(n), self.timeout_s)
                 tally.add(f, list(range(n)), outcomes)
         elif n:
-            self._score_in_workers(prompts, completions, rows, tally)
+            self._score_in_runners(prompts, completions, rows, tally)
+        self.warnings = tally.warnings(self.reward, self.warn_failed_frac, self.timeout_s)
         return tally.summarize(self.reward)
 
-    # ---- scheduling ------------------------------------------------------------------------
+    # ---- scheduling (choice 3) -------------------------------------------------------------
 
-    def _start_worker(self) -> _Worker:
+    def _start_zygote(self) -> _Zygote:
         parent_conn, child_conn = mp.Pipe()  # a socket pair; the child gets its end as an fd
         fd = child_conn.fileno()
         code = (f"import sys; sys.path[:] = {sys.path!r}; "
-                f"from rewards.pool import _worker_main; _worker_main({fd})")
+                f"from rewards.runners import zygote_main; zygote_main({fd})")
         proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd])
         child_conn.close()
         parent_conn.send((self._specs, self.timeout_s))
-        return _Worker(proc, parent_conn, started_at=time.monotonic())
+        return _Zygote(proc, parent_conn, started_at=time.monotonic())
 
-    def _units(self, size: int) -> list[Unit]:
-        units: list[Unit] = []
-        for f, term in enumerate(self.reward.terms):
-            if is_batched(term.fn) or is_async(term.fn):
-                units.append((f, list(range(size))))
-            else:
-                units.extend((f, [p]) for p in range(size))
+    def _units(self, n: int) -> deque[_Unit]:
+        """One unit per sample of a plain function; per chunk (about four per runner) of a batched
+        or async one, which runs its chunk in one call or one event loop."""
+        size = max(1, math.ceil(n / (self.num_workers * _CHUNKS_PER_WORKER)))
+        units: deque[_Unit] = deque()
+        for s in range(0, n, size):
+            chunk = list(range(s, min(s + size, n)))
+            for f, term in enumerate(self.reward.terms):
+                whole = is_batched(term.fn) or is_async(term.fn)
+                units.extend([_Unit(f, chunk)] if whole else [_Unit(f, [i]) for i in chunk])
         return units
 
-    def _score_in_workers(self, prompts: Sequence[str], completions: Sequence[str],
+    def _score_in_runners(self, prompts: Sequence[str], completions: Sequence[str],
                           rows: Sequence[Mapping[str, Any]], tally: _Tally) -> None:
-        n = len(prompts)
-        size = max(1, math.ceil(n / (len(self._workers) * _CHUNKS_PER_WORKER)))
-        queue = deque(_Task(list(range(s, min(s + size, n))), deque(self._units(min(size, n - s))))
-                      for s in range(0, n, size))
+        units = self._units(len(prompts))
+        step = _Step(units, time.monotonic(), self.timeout_s * max(len(u.indices) for u in units) + _GRACE_S)
         try:
-            while queue or any(w.task for w in self._workers):
-                self._dispatch(queue, prompts, completions, rows)
-                self._collect(queue, tally)
+            while step.queue or any(r.unit for r in self._runners):
+                self._dispatch(step, prompts, completions, rows)
+                self._collect(step, tally)
+                self._expire(step, tally)
         except BaseException:
-            for w in [w for w in self._workers if w.task is not None]:
-                self._replace(w, None)  # its late results must not leak into the next call
+            for r in [r for r in self._runners if r.unit is not None]:
+                self._end(r, kill=True)  # its late answer must not leak into the next call
             raise
 
-    def _dispatch(self, queue: deque[_Task], prompts: Sequence[str], completions: Sequence[str],
+    def _dispatch(self, step: _Step, prompts: Sequence[str], completions: Sequence[str],
                   rows: Sequence[Mapping[str, Any]]) -> None:
-        for w in list(self._workers):
-            if not queue:
+        """Keep `num_workers` runners that are not retired, and give each idle one the next unit."""
+        self._fill_lanes()
+        for r in [r for r in self._runners if r.unit is None and not r.retired]:
+            if not step.queue:
                 return
-            if w.ready and w.task is None:
-                task = queue.popleft()
-                message = (list(task.units), [prompts[i] for i in task.indices],
-                           [completions[i] for i in task.indices], [dict(rows[i]) for i in task.indices])
-                try:
-                    w.conn.send(message)
-                except OSError:  # died while idle: nothing of this task ran yet
-                    queue.appendleft(task)
-                    self._replace(w, None)
-                    continue
-                w.task, w.unit_started_at = task, time.monotonic()
-
-    def _limit(self, w: _Worker) -> float:
-        return w.unit_started_at + self.timeout_s * len(w.task.units[0][1]) + _GRACE_S
-
-    def _collect(self, queue: deque[_Task], tally: _Tally) -> None:
-        watched = [w for w in self._workers if not w.ready or w.task is not None]
-        if not watched:
-            return
-        deadlines = [w.started_at + _STARTUP_TIMEOUT_S if not w.ready else self._limit(w) for w in watched]
-        ready = wait([w.conn for w in watched], max(0.0, min(deadlines) - time.monotonic()))
-        for w in watched:
-            if w.conn in ready:
-                self._receive(w, queue, tally)
-        now = time.monotonic()
-        for w in list(self._workers):
-            if not w.ready and now > w.started_at + _STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"a reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
-            if w.ready and w.task is not None and now > self._limit(w):
-                f, positions = w.task.units.popleft()
-                tally.add(f, [w.task.indices[p] for p in positions], [(TIMEOUT, None, None)] * len(positions))
-                self._replace(w, queue)
-
-    def _receive(self, w: _Worker, queue: deque[_Task], tally: _Tally) -> None:
-        try:
-            kind, payload = w.conn.recv()
-        except (EOFError, OSError):
+            unit = step.queue.popleft()
+            message = (unit.f, [prompts[i] for i in unit.indices], [completions[i] for i in unit.indices],
+                       [dict(rows[i]) for i in unit.indices])
             try:
-                code = w.process.wait(1.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            if not w.ready:
-                raise RuntimeError(f"a reward worker exited during start-up (exit code {code}); "
+                r.conn.send(message)
+            except OSError:  # died while idle: nothing of this unit ran
+                step.queue.appendleft(unit)
+                self._end(r, kill=False)
+                continue
+            r.unit, r.started_at = unit, time.monotonic()
+
+    def _fill_lanes(self) -> None:
+        """Ask the zygote for runners until `num_workers` of them are not retired (choice 3)."""
+        for _ in range(self.num_workers - sum(not r.retired for r in self._runners) - self._forking):
+            try:
+                self._zygote.conn.send(("fork", 0))
+            except OSError:
+                raise RuntimeError(f"the reward pool's process died (exit code {self._zygote.process.poll()})") from None
+            self._forking += 1
+
+    def _collect(self, step: _Step, tally: _Tally) -> None:
+        z = self._zygote
+        watched = [r.conn for r in self._runners if r.unit is not None] + [z.conn] * (not z.ready or self._forking > 0)
+        for conn in wait(watched, _TICK_S):
+            if conn is z.conn:
+                self._from_zygote(step)
+                continue
+            r = next(r for r in self._runners if r.conn is conn)
+            try:
+                outcomes = r.conn.recv()
+            except (EOFError, OSError):  # it crashed (os._exit, a segfault, the OOM killer)
+                outcomes = [(DIED, None, "reward worker died (its process ended)")] * len(r.unit.indices)
+                self._end(r, kill=False)
+            else:
+                if r.retired:
+                    self._end(r, kill=False)
+            tally.add(r.unit.f, r.unit.indices, outcomes)
+            r.unit, step.progress = None, time.monotonic()
+
+    def _from_zygote(self, step: _Step) -> None:
+        z = self._zygote
+        try:
+            kind, payload = z.conn.recv()
+        except (EOFError, OSError):
+            code = z.process.poll()
+            if not z.ready:
+                raise RuntimeError(f"the reward pool's process exited during start-up (exit code {code}); "
                                    "its traceback is printed above") from None
-            if w.task is not None:
-                f, positions = w.task.units.popleft()
-                error = (DIED, None, f"reward worker died (exit code {code})")
-                tally.add(f, [w.task.indices[p] for p in positions], [error] * len(positions))
-            self._replace(w, queue)
-            return
+            raise RuntimeError(f"the reward pool's process died (exit code {code})") from None
         if kind == "error":
             raise RuntimeError(f"a reward worker could not load the reward functions: {payload}")
         if kind == "ready":
-            w.ready = True
+            z.ready, step.progress = True, time.monotonic()
             return
-        f, positions = w.task.units.popleft()
-        tally.add(f, [w.task.indices[p] for p in positions], payload)
-        w.unit_started_at = time.monotonic()
-        if not w.task.units:
-            w.task = None
+        self._runners.append(_Runner(payload, Connection(recv_handle(z.conn))))  # ("runner", pid), then its socket
+        self._forking -= 1
 
-    def _replace(self, w: _Worker, queue: deque[_Task] | None) -> None:
-        """Kill `w` and start a fresh worker in its slot; its unfinished units go back to `queue`."""
-        if queue is not None and w.task is not None and w.task.units:
-            queue.appendleft(w.task)
-        _kill(w)
-        self._workers[self._workers.index(w)] = self._start_worker()
+    def _expire(self, step: _Step, tally: _Tally) -> None:
+        """Time-outs, retirements and the stall rule of choice 3."""
+        now = time.monotonic()
+        z = self._zygote
+        if not z.ready and now > z.started_at + _STARTUP_TIMEOUT_S:
+            raise RuntimeError(f"a reward worker did not start within {_STARTUP_TIMEOUT_S:.0f} s")
+        for r in [r for r in self._runners if r.unit is not None]:
+            ran = now - r.started_at
+            if ran > self.timeout_s * len(r.unit.indices) + _GRACE_S:
+                tally.add(r.unit.f, r.unit.indices, [(TIMEOUT, None, None)] * len(r.unit.indices))
+                self._end(r, kill=True)
+            elif ran > self._suspect_s:
+                r.retired = True
+        if step.queue and z.ready and now > step.progress + step.window:
+            for unit in step.queue:  # nothing finished for a whole limit: every lane is stuck on a hang
+                tally.add(unit.f, unit.indices, [(TIMEOUT, None, None)] * len(unit.indices))
+            step.queue.clear()
+
+    def _end(self, r: _Runner, *, kill: bool) -> None:
+        """Drop runner `r`: killed by the zygote (hung, or its answer is no longer wanted), or asked to exit."""
+        self._runners.remove(r)
+        with contextlib.suppress(OSError):
+            self._zygote.conn.send(("kill", r.pid)) if kill else r.conn.send(None)
+        r.conn.close()

@@ -1,47 +1,91 @@
-"""Checkpoints that survive a crash mid-save and refuse to load when damaged.
+"""Checkpoints that survive a crash mid-save, refuse to load when damaged or foreign, and fit the disk.
 
 Layout of `<output_dir>/checkpoints/step_000042/`:
-    model/          HF safetensors + config + tokenizer (transformers and vLLM load it)
-    train_state/    the learner backend's own resumable state (sharded model + optimizer)
-    run_state.pt    step, prompt-stream position, driver RNG state
-    manifest.json   every other file's size and SHA-256; written last, so it marks a complete save
+    model/                 HF safetensors + config + tokenizer (transformers and vLLM load it)
+    adapter/               with LoRA: the adapter alone, PEFT format
+    train_state/           the learner backend's own resumable state (sharded model + optimizer)
+    run_state.json         step, prompt-stream position and queued rollouts, driver RNG state
+    run_state.safetensors  the run state's tensors and long number lists (torch RNG, token ids)
+    manifest.json          every other file's size and SHA-256, signed; written last: a complete save
 
 Choices:
 1. A save writes into `.tmp_step_000042/`, then the manifest, then renames the folder. A rename is
    atomic on one filesystem, so a save killed at any point leaves a hidden temp folder that
    nothing reads (the next save of that step replaces it) and the previous checkpoints untouched.
-2. Resuming verifies the checkpoint against its manifest first (a truncated or missing file,
-   e.g. a lost shard, or a changed byte). A damaged one is never loaded: the error is one line
-   naming the file and the previous good checkpoint, which `resume=previous` resumes from.
+2. Resuming verifies the checkpoint against its manifest first (a truncated, missing or extra
+   file, e.g. a lost shard, or a changed byte). A damaged one is never loaded: the error is one
+   line naming the file and the previous good checkpoint, which `resume=previous` resumes from.
 3. Hashing costs about a second per GB on one core, at save and once more at resume; a
    checkpoint is verified once per process however often it is asked for.
+4. No pickle from another machine ever runs. The run state is JSON + safetensors, formats that
+   hold data only (rlhf.signing choice 4). The train state is pickles (DCP's `.metadata`, DeepSpeed's files), so the
+   manifest is signed with this machine's key (rlhf.signing) and the driver refuses, in one line
+   saying how to trust it deliberately, any checkpoint whose signature is not its own, before any
+   learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
+   of an earlier version is read only in a checkpoint signed here, with torch's weights-only
+   unpickler.
+5. `keep_checkpoints=N`: after each complete save, the complete checkpoints older than the newest
+   N go (never the one just written, never during a save). Each is renamed to a hidden `.del_`
+   folder first, so a deletion killed half-way leaves nothing that looks complete.
+6. A failed save never costs the trained weights: the learners write the HF export (`model/`,
+   small) before the train state, and when the save fails, a complete export (config.json, every
+   safetensors shard whole) is moved to `step_000042_model_only/` and the partial save deleted.
+   A full disk (here, or in a learner: an ActorFailure naming ENOSPC) is a one-line RunError:
+   the step, the space needed and free, what survived and where, and what to change.
+7. Before Ray starts, `preflight_checkpoints` makes the signing key and checks that the
+   checkpoints that will coexist fit the disk (`checkpoint_bytes`: fp32 master weights and Adam's
+   two moments, the HF export, LoRA's smaller state, per backend). The estimate is remembered
+   for the message of a save that still finds the disk full.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
+from rlhf import signing
+from rlhf.errors import RunError
 from rlhf.protocols import LearnerGroup
+from rlhf.signing import read_run_state, write_run_state
+
+if TYPE_CHECKING:
+    from rlhf.config import RunConfig
+    from rlhf.planner import ModelShape
 
 _PREFIX = "step_"
 MANIFEST = "manifest.json"
 _verified: set[Path] = set()  # choice 3
+_estimates: dict[Path, int] = {}  # resolved output_dir -> estimated bytes of one checkpoint (choice 7)
+_DISK_FULL = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]", "StorageFull")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that must not be loaded (choice 2). The message is one line."""
 
 
+class UntrustedCheckpoint(CheckpointError):
+    """A checkpoint whose manifest this machine did not sign (choice 4)."""
+
+
+class CheckpointSaveError(RunError):
+    """A save that found the disk full (choice 6)."""
+
+
 def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def _name(step: int) -> str:
+    return f"{_PREFIX}{step:06d}"
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -56,29 +100,149 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(output_dir: str | Path, step: int, learners: LearnerGroup, extra: dict[str, Any]) -> Path:
-    """Checkpoint taken after `step` steps. `extra` (data position etc.) goes in run_state.pt."""
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_checkpoint(output_dir: str | Path, step: int, learners: LearnerGroup, extra: dict[str, Any], *,
+                    keep: int = 0) -> Path:
+    """Checkpoint taken after `step` steps: the learners' files (HF export first), the run state
+    with `extra` (data position etc.), the signed manifest, the rename (choices 1, 4). Then, with
+    `keep=N > 0`, older checkpoints beyond the newest N are deleted (choice 5). A failed save keeps
+    its complete HF export; a full disk raises CheckpointSaveError (choice 6)."""
     root = checkpoint_root(output_dir)
-    final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f".tmp_{_PREFIX}{step:06d}"
+    final, tmp = root / _name(step), root / f".tmp_{_name(step)}"
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
     tmp.mkdir(parents=True)
-    learners.save(str(tmp))
-    state = {"step": step, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **extra}
-    torch.save(state, tmp / "run_state.pt")
-    _write_manifest(tmp)
+    try:
+        learners.save(str(tmp))
+        state = {"step": step, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **extra}
+        write_run_state(tmp, state)
+        _write_manifest(tmp)
+    except Exception as e:
+        _failed_save(Path(output_dir), step, tmp, e)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync(root)
     _verified.add(final)
+    prune_checkpoints(output_dir, keep, newest=final)
     return final
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int, *, newest: Path | None = None) -> list[Path]:
+    """Delete the complete checkpoints older than the newest `keep` (0: keep all), never `newest`
+    (the one just written), and what a killed deletion left (choice 5). Returns those deleted."""
+    root = checkpoint_root(output_dir)
+    for leftover in root.glob(".del_*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if keep <= 0:
+        return []
+    old = [p for p in complete_checkpoints(output_dir)[:-keep] if p != newest]
+    for path in old:
+        trash = root / f".del_{path.name}"
+        path.rename(trash)  # out of the complete set at once
+        _verified.discard(path)
+        shutil.rmtree(trash, ignore_errors=True)
+    return old
+
+
+def _failed_save(output_dir: Path, step: int, tmp: Path, error: Exception) -> NoReturn:
+    """Keep the save's complete HF export, drop the rest, and re-raise; a full disk becomes one
+    line saying what it needed, what survived and what to do (choice 6)."""
+    root = checkpoint_root(output_dir)
+    kept: Path | None = root / f"{_name(step)}_model_only"
+    if complete_hf_export(tmp / "model"):
+        shutil.rmtree(kept, ignore_errors=True)
+        (tmp / "model").rename(kept)
+    else:
+        kept = None
+    written = _folder_bytes(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # hand back what the partial save took
+    if not is_disk_full(error):
+        if kept is not None:
+            print(f"the step-{step} save failed; its complete HF model export is kept in {kept}",
+                  file=sys.stderr)
+        raise error
+    previous = latest_checkpoint(output_dir)
+    if kept is not None:
+        survived = (f"the trained weights survive as an HF model folder in {kept} (load it, or train on from it "
+                    f"with model.path={kept})")
+    else:
+        survived = "the model export did not survive either"
+    survived += f"; the previous complete checkpoint is {previous}" if previous else \
+        "; no complete checkpoint exists"
+    free = shutil.disk_usage(root).free
+    raise CheckpointSaveError(
+        f"the step-{step} checkpoint did not fit on the disk of {root}: it needs {_needed(output_dir, written)}, "
+        f"{_size(free)} is free now that the partial save is deleted; {survived}; make room there, or set "
+        f"keep_checkpoints=1, a larger save_every or an output_dir on a bigger disk") from None
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC/EDQUOT here, or named in the message of a learner's failure (an ActorFailure)."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(s in str(error) for s in _DISK_FULL)
+
+
+def _needed(output_dir: Path, written: int) -> str:
+    """One checkpoint's size: the previous one's (exact), else the preflight's estimate."""
+    previous = latest_checkpoint(output_dir)
+    if previous is not None:
+        try:
+            files = json.loads((previous / MANIFEST).read_text())["files"]
+            return f"about {_size(sum(f['bytes'] for f in files.values()))} (the size of {previous.name})"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    estimate = _estimates.get(output_dir.resolve())
+    if estimate:
+        return f"about {_size(estimate)} (estimated)"
+    return f"more than the {_size(written)} it wrote"
+
+
+def complete_hf_export(folder: Path) -> bool:
+    """Whether `folder` is a loadable HF export: a config.json, and every safetensors shard (those
+    of the index, else model.safetensors) whole: its header parses and its size is exactly header
+    plus data (choice 6)."""
+    try:
+        json.loads((folder / "config.json").read_text())
+        index = folder / "model.safetensors.index.json"
+        shards = (set(json.loads(index.read_text())["weight_map"].values()) if index.is_file()
+                  else {"model.safetensors"})
+        return all(_whole_safetensors(folder / name) for name in shards)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _whole_safetensors(path: Path) -> bool:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > size - 8:
+            return False
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return size == 8 + n + end
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+# ---------------------------------------------------------------------------------------------
+# The manifest: sizes, checksums, signature
 
 
 def _write_manifest(folder: Path) -> None:
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file()}
+    signature = signing.sign(files)
     with open(folder / MANIFEST, "w") as f:
-        json.dump({"files": files}, f, indent=1)
+        json.dump({"files": files, "signature": signature}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -96,14 +260,31 @@ def _fsync(folder: Path) -> None:
         os.close(fd)
 
 
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if not isinstance(manifest["files"], dict):
+            raise TypeError
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable ({type(e).__name__})") from None
+
+
 def verify_checkpoint(path: Path) -> None:
-    """Raise CheckpointError naming the first file that is missing, truncated or changed."""
+    """Raise UntrustedCheckpoint unless this machine signed the manifest (choice 4), then
+    CheckpointError naming the first file that is missing, truncated, changed or unlisted."""
     if path in _verified:
         return
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable ({type(e).__name__})") from None
+    manifest = _read_manifest(path)
+    problem = signing.signature_problem(manifest["files"], manifest.get("signature"))
+    if problem:
+        raise UntrustedCheckpoint(f"{path} {problem}: its train state is pickled, and unpickling can run code, "
+                                  f"so it is not loaded; {signing.trust_hint(path)}")
+    _check_files(path, manifest["files"])
+    _verified.add(path)
+
+
+def _check_files(path: Path, files: dict[str, Any]) -> None:
     for name, want in files.items():
         p = path / name
         if not p.is_file():
@@ -113,13 +294,33 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointError(f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
         if _sha256(p) != want["sha256"]:
             raise CheckpointError(f"{p} does not match its checksum in the manifest")
-    _verified.add(path)
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p != path / MANIFEST)
+    extra = [name for name in extra if name not in files]
+    if extra:
+        raise CheckpointError(f"{path / extra[0]} is not in the manifest (added after the save?)")
+
+
+def resign_checkpoint(path: Path) -> None:
+    """Sign `path`'s manifest with this machine's key, after checking every file against it: a
+    deliberate act of trust (`python -m rlhf.signing FOLDER`, rlhf.signing choice 3)."""
+    manifest = _read_manifest(path)
+    _check_files(path, manifest["files"])
+    manifest["signature"] = signing.sign(manifest["files"])
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(path / MANIFEST)
+    _verified.discard(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming
 
 
 def checkpoint_to_resume(output_dir: str | Path, mode: bool | Literal["previous"]) -> Path | None:
     """The verified checkpoint a run with `resume=mode` continues from: `true`, the latest one;
     `previous`, the newest good one before the latest (the fallback when the latest is damaged).
-    None when there is none to resume (a fresh start). Raises CheckpointError (one line)."""
+    None when there is none to resume (a fresh start). Raises CheckpointError (one line); one not
+    signed here is never skipped over silently (UntrustedCheckpoint)."""
     done = complete_checkpoints(output_dir) if mode else []
     if not done:
         return None
@@ -128,11 +329,15 @@ def checkpoint_to_resume(output_dir: str | Path, mode: bool | Literal["previous"
             try:
                 verify_checkpoint(path)
                 return path
+            except UntrustedCheckpoint:
+                raise
             except CheckpointError as e:
                 print(f"resume=previous: skipping {path.name}: {e}")
         raise CheckpointError(f"resume=previous: no good checkpoint before {done[-1]}")
     try:
         verify_checkpoint(done[-1])
+    except UntrustedCheckpoint:
+        raise
     except CheckpointError as e:
         raise CheckpointError(f"the latest checkpoint is damaged: {e}; {_fallback(done[:-1])}") from None
     return done[-1]
@@ -149,9 +354,11 @@ def _fallback(older: list[Path]) -> str:
 
 
 def load_checkpoint(path: Path, learners: LearnerGroup) -> dict[str, Any]:
-    """Restore learners and driver RNG from `path`; returns run_state (with 'step')."""
+    """Restore learners and driver RNG from `path`, verified first (choices 2, 4); returns the run
+    state (with 'step')."""
+    verify_checkpoint(path)
+    state = read_run_state(path)
     learners.load(str(path))
-    state = torch.load(path / "run_state.pt", weights_only=False)
     random.setstate(state["python_rng"])
     torch.set_rng_state(state["torch_rng"])
     return state
@@ -168,3 +375,90 @@ def resume(output_dir: str | Path, mode: bool | Literal["previous"], learners: L
     stream.load_state_dict(state["prompts"])
     print(f"resumed from {path} (step {state['step']})")
     return int(state["step"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Disk space, checked before Ray starts (choice 7)
+
+
+def checkpoint_bytes(cfg: RunConfig, shape: ModelShape, model_path: str | Path) -> int:
+    """Estimated size of one checkpoint, whatever the number of ranks. P parameters, L LoRA
+    parameters, b bytes of `model.dtype`:
+    - HF export b*P plus the source folder's other files (tokenizer, config); LoRA: adapter 4L.
+    - FSDP2: fp32 weights 4P and Adam's two fp32 moments 8P; with LoRA the frozen base 4P and
+      about 16L for the adapters, their moments and step counters.
+    - DeepSpeed: fp32 masters and moments 12P, plus the module (b*P) under ZeRO-2; with LoRA the
+      module b*P (base weights included, either stage) and 12L."""
+    p, b = shape.params(), 4 if cfg.model.dtype == "float32" else 2
+    lora = shape.lora_params(cfg.learner.lora_rank) if cfg.learner.lora_rank else 0
+    folder = Path(model_path)
+    other = sum(f.stat().st_size for f in folder.iterdir()
+                if f.is_file() and not f.name.endswith((".safetensors", ".bin"))) if folder.is_dir() else 0
+    export = b * p + other + 4 * lora
+    if cfg.learner.backend == "fsdp2":
+        train = 4 * p + 16 * lora if lora else 12 * p
+    else:
+        train = b * p + 12 * lora if lora else 12 * p + (b * p if cfg.learner.zero_stage == 2 else 0)
+    return export + train
+
+
+def _coexisting(cfg: RunConfig, start: int) -> tuple[int, bool]:
+    """How many checkpoints the run's remaining saves leave on disk at once (with
+    keep_checkpoints=N: N, plus the one being written), and whether that count is exact (a DPO
+    run sized by epochs has a step count only the data tells)."""
+    steps = cfg.grpo.steps if cfg.algorithm == "grpo" else cfg.dpo.max_steps
+    keep = cfg.keep_checkpoints
+    if not steps:
+        return (keep + 1 if keep else 1), False
+    every = cfg.save_every
+    saves = sum(1 for s in range(start + 1, steps + 1) if s == steps or (every and s % every == 0))
+    return (min(saves, keep + 1) if keep else saves), True
+
+
+def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
+    """Raise ConfigError (one line) when the checkpoints that will coexist do not fit the free
+    space of output_dir's disk (choice 7)."""
+    from rlhf.config import ConfigError
+    from rlhf.planner import model_shape
+
+    try:
+        shape = model_shape(str(model_path))
+    except (ValueError, KeyError, TypeError):  # a config.json the planner cannot read: nothing to estimate
+        return
+    one = checkpoint_bytes(cfg, shape, model_path)
+    out = Path(cfg.output_dir)
+    _estimates[out.resolve()] = one
+    latest = latest_checkpoint(out) if cfg.resume else None
+    count, exact = _coexisting(cfg, int(latest.name[len(_PREFIX):]) if latest else 0)
+    if count == 0:
+        return
+    folder = next(p for p in (checkpoint_root(out), *checkpoint_root(out).absolute().parents) if p.exists())
+    free = shutil.disk_usage(folder).free
+    if count * one <= free:
+        return
+    shrink = [] if cfg.keep_checkpoints == 1 or count == 1 else ["keep_checkpoints=1"]
+    if cfg.save_every and count > 1:
+        shrink.append(f"a larger save_every (now {cfg.save_every})")
+    if not cfg.learner.lora_rank:
+        shrink.append("learner.lora_rank=16 (no optimizer state for the base weights)")
+    raise ConfigError(
+        f"checkpoints need {'at least ' if not exact else ''}{count} x {_size(one)} = {_size(count * one)} under "
+        f"{checkpoint_root(out)} (keep_checkpoints={cfg.keep_checkpoints}, save_every={cfg.save_every}), but "
+        f"{folder} has {_size(free)} free: set {', '.join(shrink + ['an output_dir on a bigger disk'])}")
+
+
+def preflight_checkpoints(cfg: RunConfig, model_path: str | Path) -> None:
+    """What the checkpoints need, checked before Ray starts (actors/launch.py cli): the signing
+    key exists (made now) outside output_dir (choice 4), and the disk has room (choice 7).
+    Raises ConfigError (one line)."""
+    from rlhf.config import ConfigError
+
+    try:
+        signing.load_key()
+    except OSError as e:
+        raise ConfigError(str(e)) from None
+    key = signing.key_path().resolve()
+    if key.is_relative_to(Path(cfg.output_dir).resolve()):
+        raise ConfigError(f"the checkpoint signing key {key} is inside output_dir={cfg.output_dir}, where whoever "
+                          f"writes checkpoints could read it: set {signing.KEY_DIR_ENV} to a folder outside it")
+    check_checkpoint_space(cfg, model_path)

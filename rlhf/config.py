@@ -3,16 +3,15 @@
     cfg = load_config("configs/grpo_tiny_cpu.yaml", ["grpo.group_size=4", "learner.lr=1e-5"])
 
 Every section is a frozen keyword-only dataclass with its defaults and a docstring under each
-field. Validation lives in `__post_init__` and raises `ConfigError` with a one-line message that
-names the key and what is allowed; the entry scripts print that line and exit with status 2.
+field. Validation (rlhf/config_checks.py) runs in `__post_init__` and raises `ConfigError` with a
+one-line message that names the key and what is allowed, and the recipe's `file:line` when the key
+is written there (rlhf/config_loading.py); the entry scripts print that line and exit with status 2.
 The set of keys is a reviewed artefact: `tests/test_config.py` pins it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad key, type or value in a recipe or an override. The message is one line."""
-
-
-def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+from rlhf.config_checks import ConfigError, validate  # noqa: F401  (ConfigError: imported from here)
+from rlhf.config_loading import build, deep_copy, line_of, parse_override, read_recipe
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +106,9 @@ class RewardConfig:
     """Processes in the reward pool."""
     max_failed_steps: int = 3
     """Stop the run (one line) after this many consecutive steps whose every sample's reward failed."""
+    warn_failed_frac: float = 0.1
+    """Print one terminal line on a step where a reward function fails or times out on more than
+    this fraction of the step's samples (0 < f <= 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,6 +190,9 @@ class LearnerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 3
+    """A step whose loss or gradient is not finite (NaN/inf) is skipped (no update, counted in
+    `train/nonfinite_skipped`); this many in a row stop the run with one line (0: stop at the first)."""
     micro_batch_size: int = 8
     """Sequences per forward/backward; gradients accumulate over a rank's share of the step."""
     max_tokens_per_micro_batch: int = 0
@@ -308,9 +307,14 @@ class RunConfig:
     output_dir: str = "outputs/run"
     save_every: int = 0
     """Checkpoint every K steps (0: only at the end)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints, deleting older ones after each save (0: keep all)."""
     resume: bool | Literal["previous"] = False
     """`true`: continue from the latest checkpoint under output_dir (verified first: a damaged one is
     an error naming the file); `previous`: from the newest good checkpoint before the latest one."""
+    overwrite: bool = False
+    """`true`: start afresh in an output_dir that holds an earlier run, deleting its checkpoints and
+    metrics; without it (and without `resume`) such a folder is refused, so nothing is lost."""
     eval_every: int = 0
     """Evaluate every N steps (0: never): pass@k on held-out prompts (GRPO), preference accuracy on
     held-out pairs (DPO); logged under `eval/` in metrics.jsonl."""
@@ -327,227 +331,14 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        _validate(self)
-
-
-def _validate(c: RunConfig) -> None:
-    """Range checks across sections, each one line naming the key and what is allowed."""
-    g, l, d, gen = c.grpo, c.learner, c.dpo, c.generation
-    _check(c.seed >= 0, "seed", "an integer >= 0", c.seed)
-    _check(c.save_every >= 0, "save_every", "an integer >= 0 (0 = only at the end)", c.save_every)
-    _check(c.eval_every >= 0, "eval_every", "an integer >= 0 (0 = never)", c.eval_every)
-    _check(g.steps >= 1, "grpo.steps", "an integer >= 1", g.steps)
-    _check(g.prompts_per_step >= 1, "grpo.prompts_per_step", "an integer >= 1", g.prompts_per_step)
-    _check(g.group_size >= 2, "grpo.group_size", "an integer >= 2 (advantages compare samples of a group)",
-           g.group_size)
-    _check(0 <= g.clip_low < 1, "grpo.clip_low", "a number in [0, 1)", g.clip_low)
-    _check(g.clip_high >= 0, "grpo.clip_high", "a number >= 0", g.clip_high)
-    _check(g.kl_coef >= 0, "grpo.kl_coef", "a number >= 0", g.kl_coef)
-    _check(g.updates_per_step >= 1, "grpo.updates_per_step", "an integer >= 1", g.updates_per_step)
-    _check(g.max_staleness >= 0, "grpo.max_staleness", "an integer >= 0 (0 = on-policy)", g.max_staleness)
-    _check(g.is_cap >= 1 and math.isfinite(g.is_cap), "grpo.is_cap", "a finite number >= 1", g.is_cap)
-    _check(d.beta > 0, "dpo.beta", "a number > 0", d.beta)
-    _check(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", "a number in [0, 0.5)", d.label_smoothing)
-    _check(d.epochs >= 1, "dpo.epochs", "an integer >= 1", d.epochs)
-    _check(d.pairs_per_step >= 1, "dpo.pairs_per_step", "an integer >= 1", d.pairs_per_step)
-    _check(d.max_steps >= 0, "dpo.max_steps", "an integer >= 0 (0 = all epochs)", d.max_steps)
-    _check(d.num_train >= 0, "dpo.num_train", "an integer >= 0 (0 = all rows)", d.num_train)
-    _check(d.num_eval >= 0, "dpo.num_eval", "an integer >= 0", d.num_eval)
-    _check(d.max_prompt_length >= 1, "dpo.max_prompt_length", "an integer >= 1", d.max_prompt_length)
-    _check(d.max_length > d.max_prompt_length, "dpo.max_length", "an integer > dpo.max_prompt_length",
-           d.max_length)
-    ev = c.eval
-    _check(ev.n >= 1, "eval.n", "an integer >= 1", ev.n)
-    _check(len(ev.k) >= 1 and all(1 <= k <= ev.n for k in ev.k), "eval.k", f"integers in [1, eval.n={ev.n}]",
-           list(ev.k))
-    _check(ev.temperature >= 0, "eval.temperature", "a number >= 0", ev.temperature)
-    _check(ev.n == 1 or ev.temperature > 0, "eval.temperature", "> 0 when eval.n > 1 (greedy samples are "
-           "all the same)", ev.temperature)
-    _check(ev.max_new_tokens >= 0, "eval.max_new_tokens", "an integer >= 0 (0 = generation.max_new_tokens)",
-           ev.max_new_tokens)
-    _check(ev.num_prompts >= 0, "eval.num_prompts", "an integer >= 0 (0 = all of data.num_eval)", ev.num_prompts)
-    _check(l.lr > 0 and math.isfinite(l.lr), "learner.lr", "a finite number > 0", l.lr)
-    _check(l.weight_decay >= 0, "learner.weight_decay", "a number >= 0", l.weight_decay)
-    _check(all(0 <= b < 1 for b in l.betas), "learner.betas", "two numbers in [0, 1)", l.betas)
-    _check(l.num_ranks >= 1, "learner.num_ranks", "an integer >= 1", l.num_ranks)
-    _check(l.micro_batch_size >= 1, "learner.micro_batch_size", "an integer >= 1", l.micro_batch_size)
-    _check(l.max_tokens_per_micro_batch >= 0, "learner.max_tokens_per_micro_batch",
-           "an integer >= 0 (0 = learner.micro_batch_size rows per micro-batch)", l.max_tokens_per_micro_batch)
-    _check(gen.max_num_seqs >= 0, "generation.max_num_seqs", "an integer >= 0 (0 = vLLM's default)",
-           gen.max_num_seqs)
-    _check(gen.max_num_batched_tokens >= 0, "generation.max_num_batched_tokens",
-           "an integer >= 0 (0 = vLLM's default)", gen.max_num_batched_tokens)
-    _check(l.max_grad_norm > 0, "learner.max_grad_norm", "a number > 0", l.max_grad_norm)
-    _check(l.lora_rank >= 0, "learner.lora_rank", "an integer >= 0 (0 = full fine-tuning)", l.lora_rank)
-    _check(l.lora_alpha > 0, "learner.lora_alpha", "a number > 0", l.lora_alpha)
-    _check(0 <= l.lora_dropout < 1, "learner.lora_dropout", "a number in [0, 1)", l.lora_dropout)
-    _check(len(l.lora_target_modules) >= 1 and all(l.lora_target_modules), "learner.lora_target_modules",
-           "a non-empty list of module names, or [all-linear]", list(l.lora_target_modules))
-    _check(c.memory.gpu_memory_gib >= 0, "memory.gpu_memory_gib", "a number >= 0 (0 = the GPU kind's)",
-           c.memory.gpu_memory_gib)
-    _check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
-    _check(not (l.share_prompts and l.pack_sequences), "learner.share_prompts",
-           "false while learner.pack_sequences=true (two ways of laying out a micro-batch)", l.share_prompts)
-    _check(gen.max_new_tokens >= 1, "generation.max_new_tokens", "an integer >= 1", gen.max_new_tokens)
-    _check(gen.temperature >= 0, "generation.temperature", "a number >= 0", gen.temperature)
-    _check(0 < gen.top_p <= 1, "generation.top_p", "a number in (0, 1]", gen.top_p)
-    _check(gen.top_k == -1 or gen.top_k >= 1, "generation.top_k", "-1 or an integer >= 1", gen.top_k)
-    _check(0 < gen.gpu_memory_utilization <= 1, "generation.gpu_memory_utilization", "a number in (0, 1]",
-           gen.gpu_memory_utilization)
-    _check(gen.cpu_kvcache_gib >= 1, "generation.cpu_kvcache_gib", "an integer >= 1", gen.cpu_kvcache_gib)
-    _check(len(c.reward.functions) >= 1, "reward.functions", "at least one reward function", [])
-    _check(c.reward.timeout_s > 0, "reward.timeout_s", "a number > 0", c.reward.timeout_s)
-    _check(c.reward.max_failed_steps >= 1, "reward.max_failed_steps", "an integer >= 1",
-           c.reward.max_failed_steps)
-    _check(c.cluster.timeout_s > 0, "cluster.timeout_s", "a number > 0 (seconds)", c.cluster.timeout_s)
-    _check(len(c.logging.backends) >= 1 and len(set(c.logging.backends)) == len(c.logging.backends),
-           "logging.backends", "a non-empty list without repeats of jsonl, tensorboard, wandb, mlflow",
-           list(c.logging.backends))
-    _check(c.reward.num_workers >= 1, "reward.num_workers", "an integer >= 1", c.reward.num_workers)
-    for i, fn in enumerate(c.reward.functions):
-        _check(":" in fn.function, f"reward.functions[{i}].function",
-               "'package.module:function' or 'path/to/file.py:function'", fn.function)
-    _check(c.data.num_train >= 1, "data.num_train", "an integer >= 1", c.data.num_train)
-    _check(c.data.num_eval >= 0, "data.num_eval", "an integer >= 0", c.data.num_eval)
-    _check(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", c.data.max_prompt_tokens)
-    _validate_cluster(c)
-
-
-def _validate_cluster(c: RunConfig) -> None:
-    """Engine count and width against the learners and the prompts (what the GPU count allows is
-    checked at launch, against the Ray cluster: actors.cluster.resolve_engines)."""
-    cl, ranks = c.cluster, c.learner.num_ranks
-    _check(cl.generator_tp >= 1, "cluster.generator_tp", "an integer >= 1", cl.generator_tp)
-    _check(cl.placement == "split" or cl.generator_tp == 1, "cluster.generator_tp",
-           "1 with placement=colocated (an engine shares one learner's device; tensor-parallel engines "
-           "need placement=split)", cl.generator_tp)
-    engines = cl.generator_engines
-    if engines == "auto":
-        return
-    _check(engines >= 1, "cluster.generator_engines", "'auto' or an integer >= 1", engines)
-    if cl.placement == "colocated":
-        _check(ranks % engines == 0, "cluster.generator_engines",
-               f"a divisor of learner.num_ranks={ranks} with placement=colocated (each engine sits "
-               f"beside every num_ranks/engines-th learner rank)", engines)
-    if c.algorithm == "grpo":
-        _check(engines <= c.grpo.prompts_per_step, "cluster.generator_engines",
-               f"at most grpo.prompts_per_step={c.grpo.prompts_per_step} (a GRPO group never spans "
-               f"engines, so more engines than groups would idle)", engines)
-
-
-# --------------------------------------------------------------------------------------------
-# Building the dataclass tree from plain data, with type checks that name the key.
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (types.UnionType, typing.Union):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "a mapping"
-    if origin is tuple:
-        return "a list"
-    return {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Return `value` converted to type `tp`, or raise ConfigError naming `key`."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return _build(tp, value, key)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(f"{key}={value!r} is not allowed: {_type_name(tp)}")
-    if origin in (types.UnionType, typing.Union):
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(value, arg, key)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} has the wrong type: expected a list")
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{key}={value!r} must have {len(args)} items")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if tp is type(None):
-        if value is None:
-            return None
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-5` (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is bool or tp is str:
-        if isinstance(value, tp):
-            return value
-    else:  # pragma: no cover - every field type is handled above
-        raise TypeError(f"unsupported config type {tp} for {key}")
-    raise ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
-
-
-# Keys of earlier versions: a recipe that still uses one gets told what to write instead.
-_RENAMED = {
-    "cluster.generator_gpus": "use cluster.generator_tp (devices per engine) and cluster.generator_engines "
-                              "(how many engines)",
-    "model.gradient_checkpointing": "use learner.gradient_checkpointing",
-}
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        if key in _RENAMED:
-            raise ConfigError(f"'{key}' was replaced: {_RENAMED[key]}")
-        if name not in hints:
-            raise ConfigError(f"unknown key '{key}' (allowed: {', '.join(names)})")
-        kwargs[name] = _coerce(value, hints[name], key)
-    required = [f.name for f in dataclasses.fields(cls)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    for name in required:
-        if name not in kwargs:
-            raise ConfigError(f"{prefix}.{name} is required" if prefix else f"{name} is required")
-    return cls(**kwargs)
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like key=value (e.g. grpo.group_size=8)")
-    key, raw = item.split("=", 1)
-    if not key.strip():
-        raise ConfigError(f"override '{item}' has no key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
+        validate(self)
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
     """Build a RunConfig from nested plain data plus dotted `key=value` overrides."""
-    data = _deep_copy(data)
+    data = deep_copy(data)
     for item in overrides:
-        path, value = _parse_override(item)
+        path, value = parse_override(item)
         node = data
         for i, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})
@@ -555,37 +346,23 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] = ()) -> RunConf
                 raise ConfigError(f"override '{item}': '{'.'.join(path[: i + 1])}' is not a section")
             node = child
         node[path[-1]] = value
-    return _build(RunConfig, data)
-
-
-def _deep_copy(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {k: _deep_copy(v) for k, v in d.items()}
-    if isinstance(d, list):
-        return [_deep_copy(v) for v in d]
-    return d
+    return build(RunConfig, data)
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file '{p}' is a folder, not a YAML file")
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except UnicodeDecodeError:
-            raise ConfigError(f"config file '{p}' is not UTF-8 text") from None
-        except yaml.YAMLError as e:
-            first = str(e).splitlines()[0] if str(e) else "parse error"
-            raise ConfigError(f"config file '{p}' is not valid YAML: {first}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
-        data = loaded or {}
-    return config_from_dict(data, list(overrides))
+    """Read a YAML recipe (or start from defaults when `path` is None) and apply overrides. An error
+    about a key the recipe sets (and no override replaces) names the file and the line it is on."""
+    if path is None:
+        return config_from_dict({}, list(overrides))
+    p = Path(path)
+    data, lines = read_recipe(p)
+    try:
+        return config_from_dict(data, list(overrides))
+    except ConfigError as e:
+        line = line_of(e.key, lines, overrides)
+        if line is None:
+            raise
+        raise ConfigError(f"{p}:{line}: {e}", key=e.key) from None
 
 
 def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str]:
@@ -599,7 +376,7 @@ def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str
     loaded = yaml.safe_load(Path(path).read_text()) if path is not None else None
     keys = leaves(loaded, "") - {""} if isinstance(loaded, dict) else set()
     for item in overrides:
-        path_parts, value = _parse_override(item)
+        path_parts, value = parse_override(item)
         keys |= leaves(value, ".".join(path_parts))
     return keys
 

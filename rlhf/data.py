@@ -22,7 +22,9 @@ Choices:
    of the row's `meta`, e.g. "{question}\\nUse the numbers {numbers}." for countdown.
 4. Local files are read in any of the layouts the hub loaders know, detected from the columns:
    `prompt`[/`answer`], GSM8K (`question`/`answer` with "#### N"), MATH (`problem`/`solution`
-   [/`answer`]). Other columns go to `meta`.
+   [/`answer`]). Other columns go to `meta`. A row that is not in the layout of the file's first
+   row (a missing column, an empty prompt, not an object), invalid JSON or text that is not UTF-8
+   is one error line naming `file.jsonl:LINE` (`file.parquet row N`), where the user finds it.
 5. Hub datasets: `gsm8k` is openai/gsm8k (`main`: train 7,473 / test 1,319); `math` trains on
    EleutherAI/hendrycks_math (the original MATH layout: one config per subject, columns
    problem/level/type/solution, the answer is the solution's last `\\boxed{}`; 7,500 train
@@ -243,42 +245,76 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], Callable[[dict[str, Any]], tuple[Any, 
 }
 
 
-def records_to_rows(records: Sequence[dict[str, Any]], cfg: DataConfig, source: str) -> list[PromptRow]:
-    """PromptRows from raw records in any of LAYOUTS (detected from the first record's columns)."""
+Located = tuple[str, Any]
+"""A raw record and where it is, as the user finds it: `file.jsonl:12` (its line), `file.parquet
+row 3` (0-based, as pandas shows it), `openai/gsm8k/main:train row 7`."""
+
+
+def records_to_rows(records: Sequence[Located], cfg: DataConfig, source: str) -> list[PromptRow]:
+    """PromptRows from located raw records in any of LAYOUTS (detected from the first record's
+    columns); a record that is not in that layout is one line naming where it is."""
     if not records:
         raise ValueError(f"{source} has no rows")
-    columns = records[0].keys()
+    first_at, first = records[0]
+    columns = first.keys() if isinstance(first, dict) else ()
     layout = next((name for name, (need, _) in LAYOUTS.items() if all(c in columns for c in need)), None)
-    if layout is None:
+    if layout is None and isinstance(first, dict):
         known = "; ".join(f"{name}: {'/'.join(need)}" for name, (need, _) in LAYOUTS.items())
-        raise ValueError(f"{source}: unknown column layout {sorted(columns)} (known: {known})")
-    parse = LAYOUTS[layout][1]
+        raise ValueError(f"{first_at}: unknown column layout {sorted(columns)} (known: {known})")
+    need, parse = LAYOUTS.get(layout, ((), None))
     rows = []
-    for rec in records:
+    for at, rec in records:
+        if not isinstance(rec, dict):
+            raise ValueError(f"{at}: a row must be a mapping of columns (a JSON object), "
+                             f"not a {type(rec).__name__}")
+        missing = [c for c in need if rec.get(c) is None]
+        if missing:
+            raise ValueError(f"{at}: no {' or '.join(repr(c) for c in missing)} (columns: "
+                             f"{', '.join(sorted(rec))}); rows here have the {layout} layout "
+                             f"({'/'.join(need)}), from {first_at}")
         question, answer, meta = parse(rec)
+        _check_prompt(question, at)
         rows.append(_row(cfg.prompt_template, question, answer, {"task": cfg.task, **meta}))
     return rows
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _check_prompt(question: Any, at: str) -> None:
+    """A prompt is non-empty text or a list of {role, content} chat messages."""
+    if isinstance(question, list):
+        if not question or not all(isinstance(m, dict) and "role" in m and "content" in m for m in question):
+            raise ValueError(f"{at}: the prompt is a list but not of {{role, content}} chat messages")
+    elif not str(question).strip():
+        raise ValueError(f"{at}: the prompt is empty")
+
+
+def _read_jsonl(path: Path) -> list[Located]:
     records = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode()
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{n}: not UTF-8 text") from None
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    records.append((f"{path}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+                    raise ValueError(f"{path}:{n}: invalid JSON ({e.msg}, column {e.colno})") from None
     return records
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
+def _read_parquet(path: Path) -> list[Located]:
     import pyarrow.parquet as pq  # lazy: only parquet tasks need it
 
-    return pq.read_table(path).to_pylist()
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...: not a parquet file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not a readable parquet file ({first})") from None
+    return [(f"{path} row {i}", rec) for i, rec in enumerate(table.to_pylist())]
 
 
-FILE_FORMATS: dict[str, Callable[[Path], list[dict[str, Any]]]] = {
+FILE_FORMATS: dict[str, Callable[[Path], list[Located]]] = {
     "jsonl": _read_jsonl,
     "parquet": _read_parquet,
 }
@@ -317,8 +353,9 @@ class HubTask:
         if want == 0:
             return []
         try:
-            records = [rec for name in src.names
-                       for rec in datasets.load_dataset(src.path, name, split=src.split)]
+            records = [(f"{src.path}{'/' + name if name else ''}:{src.split} row {i}", rec)
+                       for name in src.names
+                       for i, rec in enumerate(datasets.load_dataset(src.path, name, split=src.split))]
         except Exception as e:  # no hub: ConnectionError, OSError, DatasetNotFoundError...
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeError(f"task {cfg.task!r}: could not load {src.path} ({src.split}) from the hub: "

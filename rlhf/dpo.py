@@ -16,6 +16,9 @@ Algorithmic choices (each a config key):
    steps and at the end: eval/loss, eval/reward_accuracy (implicit reward of chosen above
    rejected: DPO's preference accuracy), eval/margin, and eval/logp_accuracy (the policy's own
    summed log-prob ranks chosen above rejected, meaningful before training too).
+5. A step whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
+   of them in a row, or weights that became NaN/inf, stop the run before the next save
+   (`rlhf.metrics.TrainHealth`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rlhf.batching import pairs_to_batch
 from rlhf.checkpoint import resume, save_checkpoint
 from rlhf.config import RunConfig
 from rlhf.data import PromptStream
-from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.objectives import DPOObjective, reduce_metrics
 from rlhf.preference_data import PreferenceData
 from rlhf.protocols import LearnerGroup
@@ -50,6 +53,7 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
     objective = DPOObjective.from_config(cfg.dpo)
     reference = ReferenceLogps.prepare(cfg, learners, data, pad_id, start_step=start)
     log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="dpo")
+    health = TrainHealth.from_config(cfg)
     if cfg.eval_every and start == 0:
         log.log(-1, evaluate_pairs(learners, data.eval, reference.eval, objective, pad_id), advance=False)
     for step in range(start, total):
@@ -60,6 +64,7 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
             reference.fill(batch, [i for i, _ in indexed])
         with timer("train"):
             train = learners.train_step(batch, objective)
+        health.check(step, train)  # NaN/inf: skipped steps counted, broken weights never saved
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
         record = step_metrics(train, batch, timer.seconds, epoch=stream.epoch)
         last = step + 1 == total
@@ -67,7 +72,7 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
             record.update(evaluate_pairs(learners, data.eval, reference.eval, objective, pad_id))
         log.log(step, record)
         if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save_checkpoint(cfg.output_dir, step + 1, learners, {"prompts": stream.state_dict()})
+            save_checkpoint(cfg.output_dir, step + 1, learners, {"prompts": stream.state_dict()}, keep=cfg.keep_checkpoints)
     log.close()
 
 

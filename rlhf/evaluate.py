@@ -122,36 +122,54 @@ def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> li
 
 
 class PoolScorer:
-    """`RewardScorer` over a local `rewards.RewardPool` (worker processes with per-sample time limits).
+    """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step).
 
     Evaluation scores with one in the driver; in training `actors.reward_worker` hosts one in a Ray
-    actor. `tokenizer` decodes the completions (choice 5).
+    actor. `tokenizer` decodes the completions (choice 5). A function that fails or times out on
+    more than `warn_failed_frac` of a call's samples gets one terminal line (rewards.pool choice 7):
+    `score` prints it, `score_and_warnings` hands it to a caller in another process.
     """
 
     def __init__(self, functions: Sequence[Any], *, tokenizer: Any, timeout_s: float,
-                 num_workers: int) -> None:
+                 num_workers: int, warn_failed_frac: float = 0.1) -> None:
         """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
         weight) pairs; a function that is not a 'module:function' spec needs num_workers=0)."""
         from rewards import RewardPool
 
         self.tokenizer = tokenizer
-        self.pool = RewardPool(list(functions), timeout_s=timeout_s, num_workers=num_workers)
+        self.pool = RewardPool(list(functions), timeout_s=timeout_s, num_workers=num_workers,
+                               warn_failed_frac=warn_failed_frac)
 
     @classmethod
     def correctness(cls, cfg: RunConfig, tokenizer: Any) -> PoolScorer:
         """The run's correctness checker alone, weight 1 (choice 1), with the run's reward limits."""
         return cls([RewardFnConfig(function=correctness_spec(cfg))], tokenizer=tokenizer,
-                   timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
+                   timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                   warn_failed_frac=cfg.reward.warn_failed_frac)
 
     def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
               ) -> tuple[torch.Tensor, dict[str, float]]:
+        rewards, metrics, warnings = self.score_and_warnings(rows, token_ids)
+        print_lines(warnings)
+        return rewards, metrics
+
+    def score_and_warnings(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
+                           ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         texts = decode_completions(self.tokenizer, token_ids)
         rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
                                            [r.reward_kwargs() for r in rows])
-        return torch.tensor(rewards, dtype=torch.float32), metrics
+        return torch.tensor(rewards, dtype=torch.float32), metrics, list(self.pool.warnings)
 
     def close(self) -> None:
         self.pool.close()
+
+
+def print_lines(lines: Sequence[str]) -> None:
+    """Print terminal lines on stdout without breaking a progress bar that is showing."""
+    from tqdm import tqdm
+
+    for line in lines:
+        tqdm.write(line)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ Algorithmic choices (each a config key):
 7. A reward that fails on a sample (raises, hangs, returns NaN or a non-number, crashes its
    worker) scores 0 there and is counted per cause (rewards.pool choice 4); one that fails on
    every sample for `reward.max_failed_steps` steps in a row stops the run (`RewardFailure`).
+   An update whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
+   of them in a row, or weights that became NaN/inf, stop the run before anything is synced or
+   saved (`rlhf.metrics.TrainHealth`).
 8. Rollouts come from a queue (rlhf.rollouts): with `grpo.max_staleness=s > 0` the engines
    generate step k+s while the learners train on step k (asynchronous GRPO), and the loop waits
    for them before pushing weights. The overlap is only in that schedule; each step still reads
@@ -39,8 +42,9 @@ from rlhf.batching import rollouts_to_batch
 from rlhf.checkpoint import resume, save_checkpoint
 from rlhf.config import RunConfig
 from rlhf.data import PromptStream
+from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
-from rlhf.metrics import MetricsLogger, PhaseTimer
+from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth, nonfinite
 from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
@@ -62,6 +66,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     total = cfg.grpo.steps + (evaluator is not None)
     log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="grpo")
     reward_health = RewardHealth(cfg.reward.max_failed_steps)
+    train_health = TrainHealth.from_config(cfg)
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
@@ -77,6 +82,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
+        train_health.check(step, train_metrics)  # before the weights go anywhere
         with timer("wait_rollouts"):  # weights change only between generations
             rollout_queue.finish()
         with timer("sync"):
@@ -85,14 +91,15 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         log.log(step, {**step_metrics(step, rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
                        **sync_metrics, **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
-            save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()})
+            save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()},
+                            keep=cfg.keep_checkpoints)
     if evaluator is not None:  # the trained policy
         log.log(cfg.grpo.steps, evaluator(cluster.generator))
         evaluator.close()
     log.close()
 
 
-class RewardFailure(RuntimeError):
+class RewardFailure(RunError):
     """A reward function failed on every sample of `reward.max_failed_steps` steps in a row."""
 
 
@@ -134,6 +141,8 @@ def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective,
         batch.old_logprobs = cluster.learners.logprobs(batch)
     for _ in range(cfg.grpo.updates_per_step):
         metrics = cluster.learners.train_step(batch, objective)
+        if nonfinite(metrics):  # the same batch again would be no better
+            break
     cluster.generator.wake()
     return metrics
 

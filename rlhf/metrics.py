@@ -1,6 +1,7 @@
 """Per-step metrics: a progress bar with ETA on the console, one JSON object per line in
 `<output_dir>/metrics.jsonl` (appended, so a resumed run continues the same file), the same records
-to the experiment trackers of `logging.backends`, and a summary of the run at the end."""
+to the experiment trackers of `logging.backends`, a summary of the run at the end, and the check
+that stops a run whose loss or weights stopped being finite (`TrainHealth`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rlhf.errors import RunError
+
+if TYPE_CHECKING:
+    from rlhf.types import StepMetrics
 
 
 class PhaseTimer:
@@ -28,6 +34,45 @@ class PhaseTimer:
         finally:
             key = f"timing/{name}_s"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+
+class NonfiniteTraining(RunError):
+    """The loss or gradient was NaN/inf for `learner.max_nonfinite_steps` steps in a row, or the
+    weights became NaN/inf."""
+
+
+class TrainHealth:
+    """Counts consecutive optimizer steps the learners skipped for a NaN/inf loss or gradient
+    (`train/nonfinite_skipped`, actors.learner_base choice 10) and stops the run after
+    `learner.max_nonfinite_steps` of them (0: at the first); weights that became NaN/inf
+    (`train/nonfinite_params`) stop it at once. Called right after the update, so a stopped run
+    neither syncs nor saves those weights."""
+
+    def __init__(self, max_nonfinite_steps: int, *, lr: float, max_grad_norm: float, dtype: str) -> None:
+        self.max_steps, self.skipped = max_nonfinite_steps, 0
+        self.keys = f"learner.lr={lr:g}, learner.max_grad_norm={max_grad_norm:g}, model.dtype={dtype}"
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TrainHealth:
+        return cls(cfg.learner.max_nonfinite_steps, lr=cfg.learner.lr, max_grad_norm=cfg.learner.max_grad_norm,
+                   dtype=cfg.model.dtype)
+
+    def check(self, step: int, train: StepMetrics) -> None:
+        values = f"loss {train.loss:.4g}, grad_norm {train.grad_norm:.4g}"
+        if train.values.get("train/nonfinite_params"):
+            raise NonfiniteTraining(f"the weights became NaN/inf in the optimizer step of step {step} ({values}); "
+                                    f"nothing was saved after it. Likely cause: {self.keys}")
+        self.skipped = self.skipped + 1 if train.values.get("train/nonfinite_skipped") else 0
+        if self.skipped and self.skipped >= self.max_steps:
+            raise NonfiniteTraining(
+                f"the loss or gradient was NaN/inf for {self.skipped} step(s) in a row, each skipped without an "
+                f"update (step {step}: {values}; learner.max_nonfinite_steps={self.max_steps}). "
+                f"Likely cause: {self.keys}")
+
+
+def nonfinite(train: StepMetrics) -> bool:
+    """Whether the learners skipped this update or its weights are NaN/inf (a repeat would be no better)."""
+    return bool(train.values.get("train/nonfinite_skipped") or train.values.get("train/nonfinite_params"))
 
 
 class MetricsLogger:
@@ -120,6 +165,9 @@ def _figures(records: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list
                               f"{_mean(last, key):.3g} ({_span(last)})"))
         if key == "reward/mean" and pts:
             break  # GRPO: the reward is the headline; its loss moves by design, not towards 0
+    skipped = [str(r["step"]) for r in steps if r.get("train/nonfinite_skipped")]
+    if skipped:  # updates the learners dropped (actors.learner_base choice 10)
+        rows.append(("skipped updates", f"{len(skipped)}, NaN/inf loss or gradient (steps {', '.join(skipped[:10])})"))
     for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
         pts = [r for r in records if isinstance(r.get(key), (int, float))]
         if pts:

@@ -27,7 +27,8 @@ Choices:
    the prompt, cut to its last `dpo.max_prompt_length` tokens if longer, and cuts both responses to
    the room left; `drop` removes the pair. Either way the count is in `stats`.
 3. Malformed rows (a missing field, a non-text response, an empty response, chosen == rejected):
-   `dpo.on_malformed=error` raises naming the source and row number; `skip` counts them.
+   `dpo.on_malformed=error` raises naming where the row is (`file.jsonl:LINE`, `file.parquet row
+   N`, as the user finds it, not its place after shuffling); `skip` counts them.
 4. Splits: built-in task sets draw train and eval from the task's disjoint splits; fixed sources
    are shuffled with `data.seed`, eval = the first `dpo.num_eval` rows, train = the next
    `dpo.num_train` (0 = all), so the eval pairs stay the same when num_train changes.
@@ -212,7 +213,7 @@ def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
     if not is_fetched(path):
         raise FileNotFoundError("dpo.dataset=hhh_alignment needs `python -m rlhf.assets fetch hhh-alignment` "
                                 "(extracts BIG-bench's pairs from its source package)")
-    return _seeded_split(_read_file("jsonl", path), cfg, split)
+    return [rec for _, rec in _seeded_split(_read_file("jsonl", path), cfg, split)]
 
 
 BUILTIN: dict[str, Callable[[RunConfig, str], list[dict[str, Any]]]] = {
@@ -226,7 +227,8 @@ BUILTIN: dict[str, Callable[[RunConfig, str], list[dict[str, Any]]]] = {
 # Files and the hub
 
 
-def _read_file(kind: str, path: Path) -> list[dict[str, Any]]:
+def _read_file(kind: str, path: Path) -> list[tuple[str, Any]]:
+    """(where, record) pairs of a jsonl/parquet file: where is `file:line` (rlhf.data.Located)."""
     from rlhf.data import FILE_FORMATS
 
     return FILE_FORMATS[kind](path)
@@ -243,9 +245,16 @@ def _seeded_split(records: list[Any], cfg: RunConfig, split: str) -> list[Any]:
 
 def _load_records(cfg: RunConfig, split: str) -> tuple[list[dict[str, Any]], str]:
     """(raw records of `split`, a source name for messages)."""
+    located, source = _load_located(cfg, split)
+    return [rec for _, rec in located], source
+
+
+def _load_located(cfg: RunConfig, split: str) -> tuple[list[tuple[str, Any]], str]:
+    """((where, raw record) of `split`, a source name for messages); where is `file:line` for a
+    file, `<set> (<split>) row i` for a built-in set, `<dataset>:<split> row i` for the hub."""
     name = cfg.dpo.dataset
     if name in BUILTIN:
-        return BUILTIN[name](cfg, split), name
+        return [(f"{name} ({split}) row {i}", rec) for i, rec in enumerate(BUILTIN[name](cfg, split))], name
     kind, sep, rest = name.partition(":")
     if sep and kind in ("jsonl", "parquet"):
         path = Path(rest).expanduser()
@@ -262,7 +271,9 @@ def _load_records(cfg: RunConfig, split: str) -> tuple[list[dict[str, Any]], str
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeError(f"dpo.dataset={name!r}: could not load it from the hub: {first}; without a "
                                f"hub, save it as a file and use dpo.dataset=jsonl:<path>") from None
-        return _seeded_split(records, cfg, split), f"{hub_name}:{hub_split or 'train'}"
+        source = f"{hub_name}:{hub_split or 'train'}"
+        located = [(f"{source} row {i}", rec) for i, rec in enumerate(records)]
+        return _seeded_split(located, cfg, split), source
     known = ", ".join([*BUILTIN, "jsonl:<path>", "parquet:<path>", "hf:<dataset>[:<split>]"])
     raise ValueError(f"unknown dpo.dataset {name!r} (known: {known})")
 
@@ -307,18 +318,19 @@ def fit_length(prompt: list[int], chosen: list[int], rejected: list[int], max_le
     return prompt, chosen[:room], rejected[:room]
 
 
-def build_pairs(records: Sequence[Any], tokenizer: Any, cfg: RunConfig, source: str,
+def build_pairs(records: Sequence[tuple[str, Any]], tokenizer: Any, cfg: RunConfig,
                 stats: dict[str, int]) -> list[PreferencePair]:
-    """Parse, tokenize and length-fit `records`, counting what happened in `stats`."""
+    """Parse, tokenize and length-fit located `records` ((where, record) pairs: a malformed one is
+    named by where it is), counting what happened in `stats`."""
     d = cfg.dpo
     pairs = []
-    for n, rec in enumerate(records):
+    for where, rec in records:
         stats["rows"] = stats.get("rows", 0) + 1
         try:
             row = parse_row(rec)
         except MalformedRow as e:
             if d.on_malformed == "error":
-                raise MalformedRow(f"{source} row {n}: {e} (dpo.on_malformed=skip skips such rows)") from None
+                raise MalformedRow(f"{where}: {e} (dpo.on_malformed=skip skips such rows)") from None
             stats["skipped_malformed"] = stats.get("skipped_malformed", 0) + 1
             continue
         prompt, chosen, rejected = tokenize_row(row, tokenizer, cfg.data)
@@ -335,10 +347,10 @@ def build_pairs(records: Sequence[Any], tokenizer: Any, cfg: RunConfig, source: 
 def load_preference_data(cfg: RunConfig, tokenizer: Any) -> PreferenceData:
     """Train and held-out pairs of `cfg.dpo.dataset`, tokenized and length-fitted."""
     stats: dict[str, int] = {}
-    train_records, source = _load_records(cfg, "train")
-    eval_records, _ = _load_records(cfg, "eval") if cfg.dpo.num_eval else ([], source)
-    train = build_pairs(train_records, tokenizer, cfg, source, stats)
-    eval_pairs = build_pairs(eval_records, tokenizer, cfg, f"{source} (eval)", stats)
+    train_records, _ = _load_located(cfg, "train")
+    eval_records, _ = _load_located(cfg, "eval") if cfg.dpo.num_eval else ([], None)
+    train = build_pairs(train_records, tokenizer, cfg, stats)
+    eval_pairs = build_pairs(eval_records, tokenizer, cfg, stats)
     if not train:
         raise ValueError(f"dpo.dataset={cfg.dpo.dataset!r}: no training pairs left ({json.dumps(stats)})")
     stats.update(train=len(train), eval=len(eval_pairs))

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from actors.launch import with_compute_dtype  # noqa: E402
 from rlhf.config import ConfigError, load_config  # noqa: E402
+from rlhf.model_folder import check_model_files  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +49,7 @@ def model_folder(name_or_path: str) -> str:
 def default_out(model: str, output_dir: str) -> Path:
     """Next to a training checkpoint (`.../step_N/model` -> `.../step_N`), else the recipe's output_dir."""
     path = Path(model)
-    if path.name == "model" and (path.parent / "run_state.pt").is_file():
+    if path.name == "model" and (path.parent / "manifest.json").is_file():
         return path.parent
     return Path(output_dir)
 
@@ -58,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = with_compute_dtype(load_config(args.config, args.overrides))
         model = model_folder(args.model or cfg.model.path)
+        check_model_files(model, key="--model" if args.model else "model.path")  # weights, tokenizer
         prepared = prepare(cfg, model)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, ValueError, OSError) as e:  # FileNotFoundError is an OSError
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else default_out(model, cfg.output_dir)
     run(cfg, model, *prepared, out=out, config_path=args.config)

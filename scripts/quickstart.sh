@@ -11,12 +11,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config=configs/quickstart_smollm2_cpu.yaml
 args=()
+fresh=overwrite=true  # running the quick start again starts it afresh (it says what it deleted) ...
 for arg in "$@"; do
   case $arg in
+    resume=*) fresh=; args+=("$arg") ;;  # ... unless it is asked to continue
     --smoke) config=configs/grpo_tiny_cpu.yaml ;;
     --verbose) args+=(logging.verbose=true) ;;
     *) args+=("$arg") ;;
   esac
 done
 bash scripts/setup.sh
-exec .venv/bin/python scripts/train_grpo.py --config "$config" "${args[@]}"
+exec .venv/bin/python scripts/train_grpo.py --config "$config" $fresh ${args[@]+"${args[@]}"}

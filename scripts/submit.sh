@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Submit a training run to a Ray cluster as a Ray Job (the job's driver runs on the head node).
 #
-#   ray start --head                              # or an existing cluster
+#   RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 ray start --head --node-ip-address=127.0.0.1   # a test head
 #   scripts/submit.sh configs/grpo_tiny_cpu.yaml grpo.steps=2
 #   scripts/submit.sh configs/dpo_tiny_cpu.yaml dpo.max_steps=2     # algorithm: dpo -> train_dpo.py
 #
-# RAY_ADDRESS picks the cluster's dashboard (default http://127.0.0.1:8265). Ray 2.60 turns token
-# auth on by default: export RAY_AUTH_MODE (and the token) as your cluster requires; for a
-# loopback-only test head, RAY_AUTH_MODE=disabled on both `ray start` and here.
+# RAY_ADDRESS picks the cluster's dashboard (default http://127.0.0.1:8265: `ray start` serves it on
+# the head's loopback only, so run this on the head, or through an SSH tunnel to its port 8265).
+# Auth: Ray 2.60 has token auth; `ray start` turns it on when a token is there (RAY_AUTH_TOKEN,
+# the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token, which `ray get-auth-token --generate`
+# and any local run create), and so does this script, for `ray job submit`: RAY_AUTH_MODE=token
+# unless you set RAY_AUTH_MODE yourself. A multi-node head: see the README ("Several nodes").
+# The test head above (no env var: Ray would bind the machine's outward address instead, on every
+# interface) listens on loopback only, every process of it; it cannot take other nodes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/submit.sh configs/<recipe>.yaml [key=value ...]}
@@ -16,6 +21,10 @@ RAY=${RAY:-.venv/bin/ray}
 script=scripts/train_grpo.py
 if grep -qE '^algorithm:[[:space:]]*dpo' "$config" || printf '%s\n' "$@" | grep -qx 'algorithm=dpo'; then
   script=scripts/train_dpo.py
+fi
+token_file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}" || -s "$token_file" ]]; then
+  export RAY_AUTH_MODE=token
 fi
 exec "$RAY" job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}" --working-dir . \
   --runtime-env-json '{"excludes": [".venv", ".cache", "outputs", ".git"]}' \

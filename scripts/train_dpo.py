@@ -5,8 +5,10 @@
 Offline: no generator, no reward workers; the learner group (FSDP2 or DeepSpeed) trains on
 preference pairs and its frozen reference model (or precomputed reference log-probs) scores them.
 Runs on a local Ray instance, or joins a cluster when `cluster.address` or RAY_ADDRESS is set (as
-under `ray job submit`, see scripts/submit.sh). Bad config or data print one line and exit with
-status 2 before anything starts.
+under `ray job submit`, see scripts/submit.sh). Bad config, data or model folders print one line and
+exit with status 2 before anything starts; into an output_dir that holds an earlier run it starts
+only with resume=true or overwrite=true. Ctrl-C stops it with one line saying where to resume from
+(exit status 130).
 """
 
 from __future__ import annotations
@@ -24,17 +26,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare_run(cfg):
-    """Everything that can fail on bad input, checked before Ray starts: the model resolves, the
-    pairs load, parse and tokenize."""
+    """Everything that can fail on bad input, checked before Ray starts: the model resolves and its
+    folder is complete, dpo.max_length fits its positions, the pairs load, parse and tokenize, and
+    a resume fits its checkpoint."""
     from transformers import AutoTokenizer
 
     from rlhf.assets import resolve_model_path
+    from rlhf.data import PromptStream
+    from rlhf.model_folder import check_context, check_model_files
     from rlhf.preference_data import load_preference_data
+    from rlhf.run_folder import check_resume
 
     model_path = resolve_model_path(cfg.model.path)
+    check_model_files(model_path)
+    check_context(cfg, model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     data = load_preference_data(cfg, tokenizer)
     print("data: " + ", ".join(f"{k}={v}" for k, v in data.stats.items()))
+    # the stream rlhf.dpo.run_dpo takes the pairs from: its checkpointed state must be this one's
+    check_resume(cfg, model_path, PromptStream(list(enumerate(data.train)), seed=cfg.seed))
     return model_path, tokenizer, data
 
 

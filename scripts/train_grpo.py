@@ -3,8 +3,10 @@
     python scripts/train_grpo.py --config configs/grpo_tiny_cpu.yaml [key=value ...]
 
 Runs on a local Ray instance, or joins a cluster when `cluster.address` or RAY_ADDRESS is set
-(as under `ray job submit`, see scripts/submit.sh). Bad config or reward specs print one line and
-exit with status 2 before anything starts.
+(as under `ray job submit`, see scripts/submit.sh). Bad config, reward specs, data or model folders
+print one line and exit with status 2 before anything starts; into an output_dir that holds an
+earlier run it starts only with resume=true or overwrite=true. Ctrl-C stops it with one line saying
+where to resume from (exit status 130).
 """
 
 from __future__ import annotations
@@ -23,21 +25,28 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare_run(cfg):
     """Everything that can fail on bad input, checked before Ray starts: rewards load, the model
-    resolves, the prompts load and tokenize."""
+    resolves and its folder is complete, the prompts load and tokenize and fit the model's
+    positions with their completions, and a resume fits its checkpoint."""
     from transformers import AutoTokenizer
 
     from rewards import load_reward_fn
     from rlhf.assets import resolve_model_path
     from rlhf.data import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.model_folder import check_context, check_model_files
+    from rlhf.run_folder import check_resume
 
     for fn in cfg.reward.functions:
         load_reward_fn(fn.function)
     model_path = resolve_model_path(cfg.model.path)
+    check_model_files(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rows, ids, dropped = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
     if dropped:
         print(f"data: dropped {dropped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    return model_path, tokenizer, PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)
+    check_context(cfg, model_path, max(map(len, ids), default=0))
+    prompts = PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)
+    check_resume(cfg, model_path, prompts)
+    return model_path, tokenizer, prompts
 
 
 def run(cfg, model_path: str, tokenizer, prompts) -> None:

@@ -8,6 +8,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Checkpoints are signed with a per-user key (rlhf.signing): the tests, and the runs they start as
+# subprocesses, use one of their own instead of creating the user's ~/.config/rlhf/checkpoint.key.
+if "RLHF_KEY_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["RLHF_KEY_DIR"] = tempfile.mkdtemp(prefix="rlhf-test-keys-")
 
 
 def _has_gpu() -> bool:

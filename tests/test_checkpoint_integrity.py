@@ -17,6 +17,12 @@ from rlhf.checkpoint import (CheckpointError, checkpoint_to_resume, latest_check
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def private_key(tmp_path, monkeypatch):
+    """This test's own signing key (rlhf.signing), never the user's; subprocesses inherit it."""
+    monkeypatch.setenv("RLHF_KEY_DIR", str(tmp_path / "key"))
+
+
 class FakeLearners:
     """Writes an HF-like model file and two shards of train state, as the learner ranks do."""
 
@@ -115,6 +121,8 @@ DAMAGE = {
     "changed byte": (lambda c: flip_byte(c / "model" / "model.safetensors"),
                      r"model/model.safetensors does not match its checksum"),
     "broken manifest": (lambda c: (c / "manifest.json").write_text("{"), r"manifest.json is unreadable"),
+    "added file": (lambda c: (c / "train_state" / "__2_0.distcp").write_bytes(b"x"),
+                   r"train_state/__2_0.distcp is not in the manifest \(added after the save\?\)"),
 }
 
 
@@ -138,7 +146,7 @@ def test_resume_previous_needs_an_earlier_good_checkpoint(tmp_path):
     only = save_checkpoint(tmp_path, 1, FakeLearners(), {"prompts": {}})
     with pytest.raises(CheckpointError, match=f"resume=previous: no good checkpoint before {only}"):
         checkpoint_to_resume(tmp_path, "previous")
-    truncate(only / "run_state.pt")
+    truncate(only / "run_state.json")
     fresh(only)
     with pytest.raises(CheckpointError, match="no earlier checkpoint is good: start again without resume"):
         checkpoint_to_resume(tmp_path, True)

@@ -15,7 +15,7 @@ RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 
 # The reviewed config surface (STYLE G8): adding a key means adding it here too.
 ALLOWED_KEYS = {
-    "algorithm", "seed", "output_dir", "save_every", "resume", "eval_every",
+    "algorithm", "seed", "output_dir", "save_every", "keep_checkpoints", "resume", "overwrite", "eval_every",
     "model.path", "model.dtype",
     "data.task", "data.prompt_template", "data.system_prompt", "data.use_chat_template", "data.num_train",
     "data.num_eval", "data.max_prompt_tokens", "data.seed",
@@ -24,6 +24,7 @@ ALLOWED_KEYS = {
     "generation.enforce_eager", "generation.ignore_eos", "generation.max_num_seqs",
     "generation.max_num_batched_tokens", "generation.per_prompt_seeds", "generation.enable_prefix_caching", "generation.async_scheduling",
     "reward.functions", "reward.timeout_s", "reward.num_workers", "reward.max_failed_steps",
+    "reward.warn_failed_frac",
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",
     "dpo.beta", "dpo.loss_type", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.epochs", "dpo.pairs_per_step",
@@ -31,7 +32,7 @@ ALLOWED_KEYS = {
     "dpo.truncation", "dpo.on_malformed", "dpo.precompute_ref",
     "learner.backend", "learner.num_ranks", "learner.zero_stage", "learner.offload_optimizer",
     "learner.offload_params", "learner.lr", "learner.weight_decay", "learner.betas", "learner.warmup_steps",
-    "learner.max_grad_norm", "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
+    "learner.max_grad_norm", "learner.max_nonfinite_steps", "learner.micro_batch_size", "learner.max_tokens_per_micro_batch",
     "learner.gradient_checkpointing", "learner.reshard_after_forward", "learner.fused_head",
     "learner.pack_sequences", "learner.attention", "learner.share_prompts", "learner.deepspeed_config",
     "learner.lora_rank", "learner.lora_alpha", "learner.lora_dropout", "learner.lora_target_modules",
@@ -113,7 +114,7 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo: [unclosed\n")
-    with pytest.raises(ConfigError, match="is not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2: not valid YAML \(expected ',' or ']'"):
         load_config(bad)
     listy = tmp_path / "list.yaml"
     listy.write_text("- 1\n- 2\n")
@@ -139,3 +140,58 @@ def test_cli_prints_one_line_and_exits_2(args, message):
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith(message), proc.stderr
+
+
+# A recipe error names the file and the line the key is written on, as an editor numbers lines.
+LOCATED = [
+    ("grpo:\n  steps: 3\n  gropu_size: 4\n", "3: unknown key 'grpo.gropu_size'"),
+    ("algorithm: grpo\n\ngrpo:\n  group_size: 1\n", "4: grpo.group_size=1 is not allowed"),
+    ("learner:\n  lr: fast\n", "2: learner.lr='fast' has the wrong type"),
+    ("reward:\n  functions:\n    - function: rewards.answers:exact_answer\n    - weight: 2\n",
+     "4: reward.functions[1].function is required"),
+    ("reward:\n  functions:\n    - {function: a:b, weight: 1, wieght: 2}\n", "3: unknown key 'reward.functions[0].wieght'"),
+    ("generation:\n  temperature: 0\n", "2: generation.temperature=0.0 is not allowed: > 0 for GRPO"),
+    ("grpo:\n  steps: 3\n  steps: 4\n", "3: 'grpo.steps' is set twice (first on line 2); keep one"),
+    ("grpo:\n  steps: 3\n grpo_size: 2\n", "3: not valid YAML ("),
+    ("grpo: 3\n", "1: grpo must be a mapping"),
+]
+
+
+@pytest.mark.parametrize("text,message", LOCATED, ids=[m.split(": ", 1)[1][:40] for _, m in LOCATED])
+def test_recipe_errors_name_the_file_and_line(text, message, tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe)
+    assert str(err.value).startswith(f"{recipe}:{message}"), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_an_override_error_names_no_recipe_line(tmp_path):
+    """The value an override sets is the override's, not the recipe line's."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("grpo:\n  group_size: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, ["grpo.group_size=1"])
+    assert str(err.value).startswith("grpo.group_size=1 is not allowed")
+    with pytest.raises(ConfigError) as err:  # about keys the recipe never wrote: no line either
+        load_config(recipe, ["grpo.clip_low=0", "grpo.clip_high=0", "grpo.updates_per_step=2"])
+    assert str(err.value).startswith("grpo.clip_high=0.0 is not allowed")
+    assert load_config(recipe, ["grpo.group_size=2"]).grpo.group_size == 2
+
+
+def test_what_grpo_cannot_learn_from_is_no_concern_of_dpo():
+    cfg = load_config(ROOT / "configs/dpo_tiny_cpu.yaml", ["generation.temperature=0", "generation.top_k=1"])
+    assert cfg.algorithm == "dpo" and cfg.generation.temperature == 0
+    with pytest.raises(ConfigError, match="generation.top_k=1 is not allowed: not 1 for GRPO"):
+        load_config(ROOT / "configs/grpo_tiny_cpu.yaml", ["generation.top_k=1"])
+    # one clip side open is enough; with one update per step the clip range never binds the first update
+    assert load_config(None, ["grpo.clip_low=0", "grpo.updates_per_step=2"]).grpo.clip_low == 0
+    assert load_config(None, ["grpo.clip_low=0", "grpo.clip_high=0"]).grpo.clip_high == 0
+
+
+def test_config_error_keeps_its_key_through_pickle():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigError("grpo.steps=0 is not allowed", key="grpo.steps")))
+    assert str(err) == "grpo.steps=0 is not allowed" and err.key == "grpo.steps"

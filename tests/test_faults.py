@@ -54,6 +54,10 @@ def test_injected_reward_faults_score_zero_and_are_counted_per_cause(tmp_path, m
     assert metrics["reward/failed"] == sum(want[c] for c in want if c not in (None, "timeout"))
     assert metrics["reward/faulty/failed_frac"] == pytest.approx(1 - want[None] / 40)
     assert sorted((tmp_path / "faults.log").read_text().split()) == sorted(c for c in map(fault_of, completions) if c)
+    counts = ", ".join(f"{want[c]} {c}" for c in ("exception", "not_a_number", "nonfinite", "worker_died"))
+    assert re.fullmatch(rf"reward {re.escape(FAULTY)}:faulty: {40 - want[None]}/40 samples failed or timed out "
+                        rf"\({want['timeout']} timed out \(reward.timeout_s=0.5\), {counts}; first error: .+\); "
+                        r"scored 0", pool.warnings[0]), pool.warnings
 
 
 def test_a_reward_failing_on_every_sample_stops_the_run_after_n_steps():

@@ -78,7 +78,7 @@ def test_malformed_rows_say_what_is_wrong(rec, message):
 
 def test_malformed_rows_error_names_the_row_or_are_skipped_and_counted(tokenizer):
     path = FIX / "malformed.jsonl"
-    with pytest.raises(MalformedRow, match=r"malformed.jsonl row \d+: .*dpo.on_malformed=skip"):
+    with pytest.raises(MalformedRow, match=r"malformed.jsonl:\d+: .*dpo.on_malformed=skip"):
         load_preference_data(cfg_for(f"jsonl:{path}", "dpo.num_eval=0"), tokenizer)
     data = load_preference_data(cfg_for(f"jsonl:{path}", "dpo.num_eval=0", "dpo.on_malformed=skip"), tokenizer)
     assert data.stats["rows"] == 5 and data.stats["skipped_malformed"] == 3 and len(data.train) == 2

@@ -1,12 +1,15 @@
-"""`ray job submit` of the tiny GRPO and DPO recipes to a Ray head on 127.0.0.1, as the README says;
-and a two-node Ray cluster on 127.0.0.1 (a head plus a second `ray start --address=...` node, each
-with its own resources) that a run spreads over: engines and learner ranks on both nodes, the
-learners' gloo group and the weight sync across them, directly and through `ray job submit`."""
+"""`ray job submit` (scripts/submit.sh) of the tiny GRPO and DPO recipes to a loopback-only Ray head
+with token auth, as the README starts it, and that head's every process listening on loopback only;
+and a two-node Ray cluster on this machine (a head plus a second `ray start --address=...` node,
+each with its own resources) that a run spreads over: engines and learner ranks on both nodes, the
+learners' gloo group and the weight sync across them, directly and through `ray job submit`.
+Every node and client of these tests shares one random token (token auth, as on a real cluster)."""
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -19,12 +22,18 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.checkpoint import MANIFEST, checkpoint_root
 from rlhf.metrics import read_metrics
+from tests.test_listening import is_loopback, listeners
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+TOKEN = secrets.token_hex(32)
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+"""What keeps a head on 127.0.0.1: Ray 2.60 on Linux replaces `--node-ip-address=127.0.0.1` with the
+address that routes outwards (and then listens on every interface) unless multi-node is off."""
 
 
 def _free_port() -> int:
@@ -33,27 +42,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_head(temp_dir: str) -> None:
-    """Stop only this head (`ray stop` would stop every Ray instance on the machine): the processes
-    whose command line names its temp dir, and their descendants (the agents rename themselves)."""
+def _head_pids(temp_dir: str, gcs_port: int | None = None) -> set[int]:
+    """The processes of the node started with `temp_dir`: those whose command line names it, and
+    their descendants (the agents and workers rename themselves); for a head (`gcs_port`) also its
+    Ray client server, whose command line names only the GCS address and whose parent, `ray start`,
+    has exited."""
+    client = re.compile(rf"ray\.util\.client\.server .*--address=\S+:{gcs_port}\b".encode())
     parents: dict[int, int] = {}
-    doomed: set[int] = set()
+    found: set[int] = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             stat = (proc / "stat").read_text()
             parents[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            if temp_dir.encode() in (proc / "cmdline").read_bytes():
-                doomed.add(int(proc.name))
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+            if temp_dir.encode() in cmdline or (gcs_port and client.search(cmdline)):
+                found.add(int(proc.name))
         except (OSError, ValueError, IndexError):
             pass
-    while True:
-        more = {pid for pid, ppid in parents.items() if ppid in doomed} - doomed
-        if not more:
-            break
-        doomed |= more
-    for pid in doomed:
+    while more := {pid for pid, ppid in parents.items() if ppid in found} - found:
+        found |= more
+    return found
+
+
+def _stop_head(temp_dir: str, gcs_port: int | None = None) -> None:
+    """Stop only this node (`ray stop` would stop every Ray instance on the machine)."""
+    for pid in _head_pids(temp_dir, gcs_port):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -61,50 +76,58 @@ def _stop_head(temp_dir: str) -> None:
 
 
 def _ray_env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-            "RAY_AUTH_MODE": "disabled", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    """This environment with token auth on and this module's token, without RAY_ADDRESS."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))},
+            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN, "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
-def _start_node(temp_dir: str, *args: str) -> None:
-    """`ray start` on 127.0.0.1 with its own temp dir and free ports for every agent (another
-    node or head on this machine may hold Ray's fixed defaults). Temp dirs are short on purpose:
-    Ray's Unix socket paths must fit in 107 bytes."""
+def _start_node(temp_dir: str, *args: str, env: dict[str, str] | None = None) -> None:
+    """`ray start --node-ip-address=127.0.0.1` (kept as such only with `LOOPBACK_ONLY` in `env`) with
+    its own temp dir and free ports for every agent (another node or head on this machine may hold
+    Ray's fixed defaults). Temp dirs are short on purpose: Ray's Unix socket paths must fit in 107
+    bytes."""
     start = [str(BIN / "ray"), "start", "--node-ip-address=127.0.0.1", f"--temp-dir={temp_dir}",
              f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
              f"--runtime-env-agent-port={_free_port()}", f"--metrics-export-port={_free_port()}",
              "--disable-usage-stats", *args]
-    started = subprocess.run(start, env=_ray_env(), capture_output=True, text=True, timeout=180)
+    started = subprocess.run(start, env=env or _ray_env(), capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
 
 
 @contextmanager
 def _cluster(nodes: int):
-    """A loopback-only head with the dashboard (the Jobs API), auth off as for a private test
-    head, plus `nodes - 1` worker nodes; yields (dashboard URL, GCS address, env). Each node has
-    2 CPUs and a custom resource `node<i>`; everything is stopped afterwards."""
+    """A head with the dashboard (the Jobs API) on 127.0.0.1, plus `nodes - 1` worker nodes; yields
+    (dashboard URL, GCS address, env, temp dirs). One node alone is loopback-only (`LOOPBACK_ONLY`,
+    as the README starts a test head); with more, the nodes take this machine's outward address
+    (multi-node cannot be on with loopback). Each node has 2 CPUs and a custom resource `node<i>`;
+    everything is stopped afterwards."""
     temp_dirs = [tempfile.mkdtemp(prefix=f"ray{i}", dir="/tmp") for i in range(nodes)]
     dashboard, gcs = _free_port(), _free_port()
     try:
         _start_node(temp_dirs[0], "--head", f"--port={gcs}", "--dashboard-host=127.0.0.1",
                     f"--dashboard-port={dashboard}", "--include-dashboard=true", "--num-cpus=2",
-                    '--resources={"node0": 1}')
+                    '--resources={"node0": 1}', env={**_ray_env(), **LOOPBACK_ONLY} if nodes == 1 else None)
         for i in range(1, nodes):
-            _start_node(temp_dirs[i], f"--address=127.0.0.1:{gcs}", "--num-cpus=2", f'--resources={{"node{i}": 1}}')
+            _start_node(temp_dirs[i], f"--address=127.0.0.1:{gcs}", "--num-cpus=2",
+                        f'--resources={{"node{i}": 1}}')
         yield f"http://127.0.0.1:{dashboard}", f"127.0.0.1:{gcs}", _ray_env(), temp_dirs
     finally:
-        for d in reversed(temp_dirs):
-            _stop_head(d)
+        for i, d in reversed(list(enumerate(temp_dirs))):
+            _stop_head(d, gcs if i == 0 else None)
             shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def ray_head():
-    with _cluster(1) as (dashboard, _, env, _):
-        yield dashboard, env
+    with _cluster(1) as (dashboard, gcs, env, temp_dirs):
+        yield dashboard, env, temp_dirs[0], int(gcs.rsplit(":", 1)[1])
 
 
 def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
-    address, env = ray_head
+    """scripts/submit.sh with the cluster's token but no RAY_AUTH_MODE: the script turns token auth
+    on for `ray job submit` when a token is there, as `ray start` does."""
+    address, env = ray_head[:2]
+    env = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
     for _ in range(30):  # the head's job agent comes up a few seconds after `ray start` returns
         proc = subprocess.run(
             ["bash", "scripts/submit.sh", *args], cwd=ROOT,
@@ -125,6 +148,25 @@ def test_ray_job_submit_runs_the_tiny_recipe(ray_head, tmp_path):
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1]
     assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
+
+
+def test_the_test_head_listens_on_loopback_only(ray_head):
+    """Every process of the head (GCS, raylet, dashboard and its Jobs API, agents, monitor, Ray
+    client server, the workers of the jobs above) listens on 127.0.0.1 / ::1 only; its dashboard
+    refuses a request without the token."""
+    import urllib.error
+    import urllib.request
+
+    pids = _head_pids(ray_head[2], ray_head[3])
+    found = listeners(pids)
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                for pid, *_ in found if Path(f"/proc/{pid}/cmdline").exists()}
+    table = "\n".join(f"  {ip}:{port}/{kind} {cmdlines.get(pid, '?')[:90]}" for pid, ip, port, kind in found)
+    for title in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server"):
+        assert any(title in cmd for cmd in cmdlines.values()), f"no listener of {title}:\n{table}"
+    assert [f for f in found if not is_loopback(f[1])] == [], table
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(f"{ray_head[0]}/api/jobs/", timeout=30)
 
 
 def test_ray_job_submit_runs_the_tiny_dpo_recipe(ray_head, tmp_path):
@@ -185,7 +227,7 @@ def test_a_node_that_dies_ends_the_run_with_one_line(tmp_path):
         cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
                f"cluster.address={gcs}", *TWO_NODES, "grpo.steps=50", "save_every=1"]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        first = out / "checkpoints" / "step_000001" / "run_state.pt"
+        first = checkpoint_root(out) / "step_000001" / MANIFEST  # written last: the checkpoint is complete
         deadline = time.time() + 600
         while not first.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.5)

@@ -1,4 +1,5 @@
-"""RewardPool: weighted sums, None, failures, time-outs, async and batched functions, clean shutdown."""
+"""RewardPool: weighted sums, None, failures, time-outs bounded per step, async and batched functions,
+the terminal warning line, clean shutdown."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from rewards import RewardLoadError, RewardPool
 
 USER = str(Path(__file__).parent / "fixtures" / "user_rewards.py")
+FAULTY = str(Path(__file__).parent / "fixtures" / "faulty_rewards.py")
 
 
 def fn(name: str) -> str:
@@ -34,6 +36,28 @@ def _children() -> set[int]:
     return pids
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _gone(pids: set[int], within_s: float = 10.0) -> bool:
+    """Whether every process of `pids` has ended within `within_s` (killing is asynchronous)."""
+    deadline = time.monotonic() + within_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(_alive(pid) for pid in pids)
+
+
+def _warm(pool: RewardPool) -> None:
+    """Score one sample (at most one limit), so that the pool's processes are up before a timing."""
+    pool.score(["Q"], ["ok"], [{}])
+
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_weighted_sum_and_none(num_workers):
     completions = ["answer 42", "nope", "42!", "nothing"]
@@ -53,12 +77,13 @@ def test_work_runs_in_worker_processes_and_is_spread():
     n = 16
     with RewardPool([fn("process_id")], num_workers=2) as pool:
         deadline = time.monotonic() + 30
-        while not all(w.ready for w in pool._workers) and time.monotonic() < deadline:
-            pool.score(["Q"], ["C"], [{}])  # start-up messages are read while scoring
+        while len(pool._runners) < 2 and time.monotonic() < deadline:
+            pool.score(["Q"], ["C"], [{}])  # the runners are handed over while scoring
             time.sleep(0.05)
         rewards, _ = pool.score(["Q"] * n, ["C"] * n, [{"delay": 0.02}] * n)
+        runners = {r.pid for r in pool._runners}
     pids = set(rewards)
-    assert os.getpid() not in pids and len(pids) == 2
+    assert os.getpid() not in pids and pids == runners and len(pids) == 2
 
 
 @pytest.mark.parametrize("bad", ["always_raises", "returns_text", "batched_wrong_length"])
@@ -78,20 +103,120 @@ def test_missing_column_is_a_failure_not_a_crash():
 
 def test_hanging_reward_times_out_and_the_pool_recovers():
     with RewardPool([(fn("hangs_on_marker"), 1.0)], timeout_s=1.0, num_workers=2) as pool:
-        pool.score(["Q"], ["ok"], [{}])  # wait for start-up so the timing below measures the hang
-        first_pids = {w.process.pid for w in pool._workers}
+        _warm(pool)  # the timing below measures the hang, not the start-up
+        first_pids = {r.pid for r in pool._runners}
         start = time.monotonic()
         rewards, metrics = pool.score(["Q"] * 6, ["ok", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)
         elapsed = time.monotonic() - start
         assert rewards == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
         assert metrics["reward/timeouts"] == 1 and metrics["reward/failed"] == 0
         assert elapsed < 10
-        replaced = first_pids - {w.process.pid for w in pool._workers}
-        assert len(replaced) == 1
+        replaced = first_pids - {r.pid for r in pool._runners}
+        assert len(replaced) == 1 and _gone(replaced)  # the hung runner was killed
         rewards, metrics = pool.score(["Q"] * 4, ["ok"] * 4, [{}] * 4)  # still works
         assert rewards == [1.0] * 4 and metrics["reward/timeouts"] == 0
-    for pid in first_pids:
-        assert pid not in _children()
+    assert _gone(first_pids)
+
+
+def test_a_step_of_hanging_samples_takes_about_one_timeout_not_one_per_sample():
+    """16 samples of a reward that sleeps forever, limit 2 s: one at a time they would take 16
+    limits (the pool before: 170 s for such a step); they overlap, so the step takes about one."""
+    timeout_s, n = 2.0, 16
+    with RewardPool([f"{FAULTY}:sleeps_forever"], timeout_s=timeout_s, num_workers=2) as pool:
+        _warm(pool)
+        start = time.monotonic()
+        rewards, metrics = pool.score(["Q"] * n, [f"c{i}" for i in range(n)], [{}] * n)
+        elapsed = time.monotonic() - start
+        assert rewards == [0.0] * n and metrics["reward/timeouts"] == n
+        assert elapsed < 3 * timeout_s, elapsed
+        line = f"reward {FAULTY}:sleeps_forever: 16/16 samples timed out (reward.timeout_s=2); scored 0"
+        assert pool.warnings == [line]
+
+
+def test_hangs_do_not_hold_up_the_other_samples():
+    """Every other sample hangs: the rest are scored as usual, each hang is one time-out, and the
+    step still takes about one limit."""
+    timeout_s, n = 2.0, 24
+    completions = ["hang" if i % 2 else "ok" for i in range(n)]
+    with RewardPool([(fn("hangs_on_marker"), 1.0)], timeout_s=timeout_s, num_workers=2) as pool:
+        _warm(pool)
+        start = time.monotonic()
+        rewards, metrics = pool.score(["Q"] * n, completions, [{}] * n)
+        elapsed = time.monotonic() - start
+    assert rewards == [0.0 if c == "hang" else 1.0 for c in completions]
+    assert metrics["reward/timeouts"] == n / 2 and metrics["reward/failed"] == 0
+    assert elapsed < 3 * timeout_s, elapsed
+
+
+def test_a_reward_hanging_on_every_sample_of_a_big_step_is_cut_off():
+    """400 samples that all hang: once nothing has finished for a whole limit, the samples not yet
+    started time out at once, so the step ends after about two limits instead of queueing them all."""
+    timeout_s, n = 1.0, 400
+    with RewardPool([f"{FAULTY}:sleeps_forever"], timeout_s=timeout_s, num_workers=2) as pool:
+        _warm(pool)
+        start = time.monotonic()
+        rewards, metrics = pool.score(["Q"] * n, ["c"] * n, [{}] * n)
+        elapsed = time.monotonic() - start
+        assert metrics["reward/timeouts"] == n and rewards == [0.0] * n
+        assert elapsed < 6 * timeout_s, elapsed  # one by one: 400 x 0.05 s / 2 runners + 1 s = 11 s
+        assert pool.score(["Q"], ["c"], [{}])[1]["reward/timeouts"] == 1  # and the pool goes on
+
+
+def test_crashes_are_charged_to_their_sample_while_hangs_are_in_flight(tmp_path, monkeypatch):
+    """Hangs, crashes and good samples interleaved on one runner: each sample runs exactly once
+    (the fault log has one line per fault) and is counted under its own cause."""
+    import collections
+
+    monkeypatch.syspath_prepend(str(Path(FAULTY).parent))
+    from faulty_rewards import fault_of
+
+    completions = [f"c{i}" for i in range(60)]
+    want = collections.Counter(fault_of(c) for c in completions)
+    assert want["timeout"] >= 3 and want["worker_died"] >= 3
+    monkeypatch.setenv("RLHF_FAULT_LOG", str(tmp_path / "faults.log"))
+    with RewardPool([f"{FAULTY}:faulty"], timeout_s=1.0, num_workers=1) as pool:
+        rewards, metrics = pool.score(["Q"] * 60, completions, [{}] * 60)
+    assert [r for r, c in zip(rewards, completions) if fault_of(c)] == [0.0] * (60 - want[None])
+    assert metrics["reward/timeouts"] == want["timeout"]
+    assert metrics["reward/failed/worker_died"] == want["worker_died"]
+    assert sorted((tmp_path / "faults.log").read_text().split()) == sorted(c for c in map(fault_of, completions) if c)
+
+
+def test_a_warning_line_names_the_function_the_count_and_the_cause():
+    specs = [(fn("constant_one"), 1.0), (fn("always_raises"), 1.0), (fn("dies_on_marker"), 1.0)]
+    completions = ["ok", "die", "ok", "ok"]
+    with RewardPool(specs, num_workers=1, warn_failed_frac=0.25) as pool:
+        pool.score(["Q"] * 4, completions, [{}] * 4)
+        assert pool.warnings == [
+            f"reward {fn('always_raises')}: 4/4 samples failed (4 exception; first error: ValueError: boom); scored 0"]
+        # one crash in four is not above 0.25; in two it is
+        pool.score(["Q"] * 2, ["ok", "die"], [{}] * 2)
+        assert pool.warnings[1] == (f"reward {fn('dies_on_marker')}: 1/2 samples failed (1 worker_died; first error: "
+                                    "reward worker died (its process ended)); scored 0")
+    with RewardPool([(fn("hangs_on_marker"), 1.0)], timeout_s=0.5, num_workers=1) as pool:
+        pool.score(["Q"] * 10, ["ok"] * 9 + ["hang"], [{}] * 10)
+        assert pool.warnings == []  # 1 in 10 is not above the default 0.1
+
+
+def test_pool_scorer_prints_the_warning_line(capsys):
+    from rlhf.evaluate import PoolScorer
+
+    class Tokenizer:
+        def batch_decode(self, ids, **kwargs):
+            return ["x" for _ in ids]
+
+    class Row:
+        def user_text(self):
+            return "Q"
+
+        def reward_kwargs(self):
+            return {}
+
+    scorer = PoolScorer([(fn("always_raises"), 1.0)], tokenizer=Tokenizer(), timeout_s=1, num_workers=0)
+    rewards, _ = scorer.score([Row()] * 3, [[1]] * 3)
+    assert rewards.tolist() == [0.0] * 3
+    assert capsys.readouterr().out == (f"reward {fn('always_raises')}: 3/3 samples failed (3 exception; first error: "
+                                       "ValueError: boom); scored 0\n")
 
 
 def test_plain_sleeping_reward_times_out():
@@ -149,12 +274,13 @@ def test_bad_specs_fail_at_construction():
 def test_no_leftover_processes_after_close():
     before = _children()
     pool = RewardPool([fn("constant_one")], num_workers=3)
-    pids = {w.process.pid for w in pool._workers}
-    assert pids <= _children()
+    assert pool._zygote.process.pid in _children()
     assert pool.score(["Q"] * 5, ["C"] * 5, [{}] * 5)[0] == [1.0] * 5
+    runners = {r.pid for r in pool._runners}
+    assert len(runners) == 3 and all(_alive(pid) for pid in runners)
     pool.close()
     pool.close()  # idempotent
-    assert not (_children() - before)
+    assert not (_children() - before) and _gone(runners)
     with pytest.raises(RuntimeError, match="closed"):
         pool.score(["Q"], ["C"], [{}])
 
@@ -175,12 +301,12 @@ def test_pool_in_an_unguarded_script_and_cleanup_at_exit(tmp_path):
         "from rewards import RewardPool\n"
         "pool = RewardPool(['rewards.answers:exact_answer'], num_workers=2)\n"
         "print(pool.score(['Q'] * 2, ['6', '7'], [{'answer': '6'}] * 2)[0])\n"
-        "print(*[w.process.pid for w in pool._workers])\n")
+        "print(pool._zygote.process.pid, *[r.pid for r in pool._runners])\n")
     repo = str(Path(__file__).parents[1])
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=repo,
                          env={**os.environ, "PYTHONPATH": repo})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "[1.0, 0.0]"
-    for pid in map(int, lines[1].split()):
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    pids = set(map(int, lines[1].split()))
+    assert len(pids) == 3 and _gone(pids)  # the zygote, and its two runners killed as it exits

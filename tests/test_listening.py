@@ -1,0 +1,270 @@
+"""Nothing a local run starts listens beyond loopback, and the learners' rendezvous is sealed.
+
+End to end (tiny recipe, real stack): while a local GRPO run is in its training steps, every TCP
+socket listening, and every unconnected UDP socket, of every process of the run (the driver and its
+rendezvous store, Ray's GCS, raylet, dashboard process, agents and autoscaler monitor, the engine,
+learner and reward actors) is bound to 127.0.0.1 / ::1; the processes are found by the run's
+session, its process tree and its Ray session folder, not by timing.
+Unit level: the rendezvous store binds exactly the address asked for; a sealed store refuses a value
+that a client without the run's secret wrote, two gloo ranks rendezvous through sealed stores, and
+an ActorGroup's actors get the secret through Ray, not their environment.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import private_ray_env
+
+ROOT = Path(__file__).resolve().parents[1]
+SESSION_DIR = re.compile(r"/session_\d{4}-\d\d-\d\d_[\w.-]+?_\d+(?=/|\s|$)")
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4-mapped loopback address (::ffff:127.0.0.1, how gRPC's
+    dual-stack sockets show a 127.0.0.1 bind)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
+
+
+def run_processes(root: int) -> dict[int, str]:
+    """pid -> command line of every process of the run whose driver is `root` (started in its own
+    session): the processes of that session, the descendants of `root`, those whose command line
+    names the run's Ray session folder, and their descendants. Processes that exit while the table
+    is read are skipped."""
+    import psutil
+
+    table: dict[int, tuple[int, str]] = {}
+    for p in psutil.process_iter(["ppid", "cmdline"]):
+        try:
+            table[p.pid] = (p.info["ppid"], " ".join(p.info["cmdline"] or []))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    run = {root}
+    for pid in table:
+        try:
+            if os.getsid(pid) == root:
+                run.add(pid)
+        except OSError:
+            continue
+    sessions = {m.group(0) for pid in run if pid in table for m in SESSION_DIR.finditer(table[pid][1])}
+    run |= {pid for pid, (_, cmd) in table.items() if any(s in cmd for s in sessions)}
+    while more := {pid for pid, (ppid, _) in table.items() if ppid in run} - run:
+        run |= more
+    return {pid: table[pid][1] for pid in run if pid in table}
+
+
+def listeners(pids: set[int]) -> list[tuple[int, str, int, str]]:
+    """(pid, ip, port, kind) of each TCP socket in LISTEN and each unconnected UDP socket of `pids`."""
+    import psutil
+
+    found = []
+    for c in psutil.net_connections(kind="inet"):
+        if c.pid not in pids or not c.laddr:
+            continue
+        if c.status == psutil.CONN_LISTEN:
+            found.append((c.pid, c.laddr.ip, c.laddr.port, "tcp"))
+        elif c.type == socket.SOCK_DGRAM and not c.raddr:
+            found.append((c.pid, c.laddr.ip, c.laddr.port, "udp"))
+    return found
+
+
+def _kill(proc: subprocess.Popen, pids: set[int]) -> None:
+    """SIGKILL the run's process group and every other process found to be the run's."""
+    for pid, kill in [(proc.pid, os.killpg), *[(p, os.kill) for p in pids]]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def _start_run(out: Path) -> tuple[subprocess.Popen, Path]:
+    """The tiny GRPO recipe on a private local Ray, in its own session, for many steps; its output
+    goes to `<out>.log`."""
+    log = out.with_suffix(".log")
+    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
+           f"output_dir={out}", "grpo.steps=50", "save_every=0"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, log
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_a_local_run_listens_on_loopback_only(tmp_path):
+    proc, log = _start_run(tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    pids: set[int] = set()
+    try:
+        deadline = time.time() + 600
+        def stepped() -> bool:
+            return metrics.exists() and bool(metrics.read_text())
+
+        while proc.poll() is None and time.time() < deadline and not stepped():
+            time.sleep(0.5)
+        assert proc.poll() is None and stepped(), (
+            f"the run never finished its first step:\n{log.read_text()[-3000:]}")
+        processes = run_processes(proc.pid)  # in its steps: every actor is up, the store is served
+        pids = set(processes)
+        found = listeners(pids)
+    finally:
+        _kill(proc, pids)
+    table = "\n".join(f"  {ip}:{port}/{kind}  pid {pid}  {processes.get(pid, '?')[:100]}"
+                      for pid, ip, port, kind in sorted(found, key=lambda f: f[0]))
+    print(f"\nlisteners of the run:\n{table}")
+    # Not vacuous: the driver (its store, its Ray core worker), Ray's GCS and raylet, and the learner
+    # and engine actors were found and listen.
+    owners = {pid for pid, *_ in found}
+    assert proc.pid in owners, table
+    for title in ("gcs_server", "raylet", "ray::FSDP2Learner", "ray::VLLMGenerator"):
+        assert any(title in processes[pid] for pid in owners), f"no listener of {title} found:\n{table}"
+    exposed = [f for f in found if not is_loopback(f[1])]
+    assert not exposed, f"listening beyond loopback: {exposed}\n{table}"
+
+
+def test_the_rendezvous_store_binds_only_the_address_it_is_given():
+    """host_store on 127.0.0.1: the listening socket is that address (not 0.0.0.0), and a client
+    reaches it there."""
+    import psutil
+    from torch.distributed import TCPStore
+
+    from actors.actor_group import host_store
+
+    addr, port, store = host_store(1, "127.0.0.1")
+    mine = [c.laddr for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    assert (addr, [a.ip for a in mine]) == ("127.0.0.1", ["127.0.0.1"])
+    TCPStore(addr, port, is_master=False, use_libuv=True).set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_a_store_hosted_through_torchs_rendezvous_binds_its_advertised_address():
+    """In a worker set up by `setup_worker_process` (before torch is imported, as in a fresh Ray
+    worker), rank 0 of a `tcp://127.0.0.1:0` rendezvous (how vLLM starts its world) serves the
+    store on 127.0.0.1 only; without the hook TCPStore listens on every interface."""
+    code = ("import psutil; from actors.console import setup_worker_process; setup_worker_process(); "
+            "import torch.distributed as dist; "
+            "store, _, _ = next(dist.rendezvous('tcp://127.0.0.1:0?rank=0&world_size=1')); "
+            "print(*[c.laddr.ip for c in psutil.Process().net_connections() "
+            "if c.status == 'LISTEN' and c.laddr.port == store.port])")
+    env = {k: v for k, v in os.environ.items() if k != "RLHF_LOG_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["127.0.0.1"]
+
+
+def test_a_sealed_store_refuses_what_a_client_without_the_secret_wrote():
+    """Values written through SealedStore carry the run secret's tag; one written (or rewritten) by
+    a plain client is refused by name, as is one sealed under another secret."""
+    from torch.distributed import TCPStore
+
+    from actors.actor_group import SealedStore, host_store
+
+    addr, port, _store = host_store(3, "127.0.0.1")
+    rank = SealedStore(TCPStore(addr, port, is_master=False, use_libuv=True), "s3cret")
+    outsider = TCPStore(addr, port, is_master=False, use_libuv=True)
+    rank.set("addr/0", b"10.0.0.1:1234")
+    assert rank.get("addr/0") == b"10.0.0.1:1234"
+    assert outsider.get("addr/0") != b"10.0.0.1:1234"  # the raw value carries the tag
+    outsider.set("addr/0", b"6.6.6.6:666")
+    with pytest.raises(PermissionError, match="addr/0"):
+        rank.get("addr/0")
+    SealedStore(outsider, "other").set("addr/1", b"6.6.6.6:666")
+    with pytest.raises(PermissionError, match="addr/1"):
+        rank.get("addr/1")
+    assert rank.compare_set("cas", b"", b"first") == b"first"
+    assert rank.compare_set("cas", b"first", b"second") == b"second"
+
+
+def test_two_ranks_rendezvous_through_sealed_stores():
+    """Two gloo ranks, each joining the driver's store with `join_store` and the same secret, form a
+    process group and all-reduce; what they wrote is sealed."""
+    from actors.actor_group import SealedStore, host_store, loopback_interface
+
+    addr, port, store = host_store(2, "127.0.0.1")
+    code = ("import sys, torch, torch.distributed as dist; from actors.actor_group import join_store; "
+            "r = int(sys.argv[1]); store = join_store(sys.argv[2], int(sys.argv[3]), 's3cret'); "
+            "dist.init_process_group('gloo', store=store, rank=r, world_size=2); "
+            "t = torch.ones(1) * (r + 1); dist.all_reduce(t); print(int(t.item()))")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": loopback_interface()}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), addr, str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    assert [p.communicate(timeout=120)[0].strip() for p in ranks] == ["3", "3"]
+    assert all(p.returncode == 0 for p in ranks)
+    (key, *_) = [k for k in store.list_keys() if "/0" in k]  # a rank's address, under gloo's prefix
+    with pytest.raises(PermissionError):
+        SealedStore(store, "other").get(key)
+
+
+class _Rank:
+    """An actor that joins its group's store as a learner rank does (`join_store`) and writes."""
+
+    def __init__(self, master_addr: str, master_port: int) -> None:
+        from actors.actor_group import join_store
+
+        self.store = join_store(master_addr, master_port)
+        self.store.set("probe", b"hello")
+
+    def seen(self) -> tuple[bytes, bool, dict[str, str]]:
+        """What it reads back, whether its group's secret is anywhere in its environment, and the
+        variables that place its gloo, NCCL and vLLM sockets."""
+        from actors.actor_group import rendezvous_secret
+
+        secret = rendezvous_secret()
+        names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "VLLM_HOST_IP")
+        placing = {k: os.environ.get(k, "") for k in names}
+        return self.store.get("probe"), any(secret in v for v in os.environ.values()), placing
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.mark.ray
+def test_a_groups_secret_reaches_its_actors_through_ray_not_their_environment(tmp_path):
+    """An ActorGroup with `rendezvous_store` under a local Ray: its actor finds the secret (through
+    Ray's internal KV), not in its environment (Ray's runtime-env agent logs the environment); what
+    it writes to the driver's store is sealed; shutting the group down removes the secret. Its
+    gloo/NCCL sockets are pinned to the loopback interface, vLLM's address to 127.0.0.1."""
+    import ray
+    import ray.cloudpickle
+    from ray.experimental.internal_kv import _internal_kv_get
+    from ray.util.placement_group import placement_group
+
+    from actors.actor_group import KV_NAMESPACE, ActorGroup, SealedStore, loopback_interface
+    from actors.console import ray_init_kwargs
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[_Rank.__module__])  # workers cannot import tests
+    ray.init(num_cpus=1, **ray_init_kwargs(tmp_path, verbose=True, local=True))
+    try:
+        pg = placement_group([{"CPU": 0.5}])
+        ray.get(pg.ready())
+        group = ActorGroup(_Rank, name="rank", pg=pg, bundles=[0], num_cpus=0.5, num_gpus=0,
+                           make_kwargs=lambda rank, addr, port: dict(master_addr=addr, master_port=port),
+                           rendezvous_store=True)
+        lo = loopback_interface()
+        placing = {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo, "VLLM_HOST_IP": "127.0.0.1"}
+        assert group.call("seen") == [(b"hello", False, placing)]
+        raw = group._store.get("probe")
+        assert raw != b"hello" and raw.endswith(b"hello")
+        with pytest.raises(PermissionError):
+            SealedStore(group._store, "guess").get("probe")
+        key = group._secret_key
+        assert _internal_kv_get(key, namespace=KV_NAMESPACE)
+        group.shutdown()
+        assert _internal_kv_get(key, namespace=KV_NAMESPACE) is None
+    finally:
+        ray.shutdown()
