@@ -49,12 +49,26 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         entry["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     elif report.when == "call" and entry["outcome"] == "not run":
         entry["outcome"] = "passed"
+    _write_results()  # after every phase: a suite stopped at its deadline still leaves its record
+
+
+def _write_results() -> None:
+    path = os.environ.get(RESULTS_ENV)
+    if path:
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps(list(_results.values()), indent=1, default=str))
+        tmp.replace(path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every collected test is in the record, as `not run` until it reports."""
+    for item in items:
+        _results.setdefault(item.nodeid, {"test": item.nodeid.split("::", 1)[-1], "outcome": "not run",
+                                          "seconds": 0.0, "figures": {}})
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    path = os.environ.get(RESULTS_ENV)
-    if path:
-        Path(path).write_text(json.dumps(list(_results.values()), indent=1, default=str))
+    _write_results()
 
 
 @pytest.fixture(scope="session")

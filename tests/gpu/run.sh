@@ -8,6 +8,8 @@
 #   bash tests/gpu/run.sh                      # the whole suite
 #   bash tests/gpu/run.sh -k lora              # pytest arguments pass through
 #   RLHF_GPU_COPY_TO=DIR bash tests/gpu/run.sh # also copy the record and the raw results to DIR
+#   RLHF_GPU_DEADLINE_S=540 bash tests/gpu/run.sh  # stop pytest (SIGINT) after 540 s: the tests that did
+#                                              # not finish are `not run`, and the record is still written
 #
 # Python: $PYTHON, else .venv/bin/python, else python3. On a GPU machine without the packages and
 # without a registry (README, "Testing on a GPU"), the parts staged under /tmp/stage by
@@ -48,8 +50,10 @@ work=$(mktemp -d)
 set +e
 paths=(tests/gpu)
 for a in "$@"; do [[ $a == tests/* ]] && paths=(); done  # test files named: run those, in that order
+deadline=()
+[ -n "${RLHF_GPU_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 30 "$RLHF_GPU_DEADLINE_S")
 RLHF_GPU_RESULTS=$work/results.json RLHF_GPU_RUNS_LOG=$work/runs.log \
-  "$PY" -m pytest "${paths[@]}" -p no:cacheprovider -v -rs "$@" 2>&1 | tee "$work/pytest.log"
+  "${deadline[@]}" "$PY" -m pytest "${paths[@]}" -p no:cacheprovider -v -rs "$@" 2>&1 | tee "$work/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
 "$PY" tests/gpu/report.py "$work/results.json" --log "$work/pytest.log" "$work/runs.log" --record benchmarks/results/gpu-acceptance.jsonl \
