@@ -51,7 +51,7 @@ set +e
 paths=(tests/gpu)
 for a in "$@"; do [[ $a == tests/* ]] && paths=(); done  # test files named: run those, in that order
 deadline=()
-[ -n "${RLHF_GPU_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 30 "$RLHF_GPU_DEADLINE_S")
+[ -n "${RLHF_GPU_DEADLINE_S:-}" ] && deadline=(timeout -s INT -k 15 "$RLHF_GPU_DEADLINE_S")
 RLHF_GPU_RESULTS=$work/results.json RLHF_GPU_RUNS_LOG=$work/runs.log \
   "${deadline[@]}" "$PY" -m pytest "${paths[@]}" -p no:cacheprovider -v -rs "$@" 2>&1 | tee "$work/pytest.log"
 status=${PIPESTATUS[0]}
