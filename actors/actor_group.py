@@ -269,12 +269,27 @@ class SealedStore(Store):
         return SealedStore(self._inner.clone(), self._secret)
 
 
+_JOINED: list[Any] = []
+"""Every sealed store this process joined, alive as long as the process: see `join_store`."""
+
+
 def join_store(master_addr: str, master_port: int, secret: str | None = None) -> Any:
     """A learner's client of the driver's store (`host_store`), sealed with `secret` (default: its
-    group's, `rendezvous_secret`, when it is in one); pass it to `init_process_group(store=...)`."""
+    group's, `rendezvous_secret`, when it is in one); pass it to `init_process_group(store=...)`.
+
+    A store written in Python lives on the C++ side only as long as its Python object: once that
+    is collected, the process group's later calls into it fail ("fn INTERNAL ASSERT FAILED ... Not
+    implemented"). gloo connects its peers inside `init_process_group`, so a store dropped after
+    it went unnoticed on CPU; NCCL builds its communicators at the first collective (DeepSpeed's
+    constructor, the first weight push), and every GPU run died there. So the sealed store is
+    kept here for the life of the process."""
     store = TCPStore(master_addr, master_port, is_master=False, use_libuv=True)
     secret = secret or rendezvous_secret()
-    return SealedStore(store, secret) if secret else store
+    if not secret:
+        return store
+    sealed = SealedStore(store, secret)
+    _JOINED.append(sealed)
+    return sealed
 
 
 @ray.remote(num_cpus=0)

@@ -210,6 +210,21 @@ def test_two_ranks_rendezvous_through_sealed_stores():
         SealedStore(store, "other").get(key)
 
 
+def test_a_joined_store_outlives_its_callers_reference():
+    """A process group over `join_store`'s sealed store keeps working after the caller drops its
+    reference (a learner's constructor does): NCCL reaches the store only at its first collective,
+    and a collected Python store failed every GPU run there. `new_group` reaches the store the same
+    way on gloo."""
+    from actors.actor_group import host_store
+
+    addr, port, _store = host_store(1, "127.0.0.1")
+    code = ("import gc, torch.distributed as dist; from actors.actor_group import join_store; "
+            f"dist.init_process_group('gloo', store=join_store('{addr}', {port}, 's3cret'), rank=0, world_size=1); "
+            "gc.collect(); dist.new_group([0], backend='gloo'); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
+
 class _Rank:
     """An actor that joins its group's store as a learner rank does (`join_store`) and writes."""
 

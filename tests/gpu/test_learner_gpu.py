@@ -56,11 +56,14 @@ def test_packed_rows_under_flex_attention_train_like_padded_rows(smollm2, figure
     lp, metrics = _step(str(smollm2), base, batch)
     packed = replace(base, pack_sequences=True, max_tokens_per_micro_batch=512, attention="flex_attention")
     lp2, metrics2 = _step(str(smollm2), packed, batch)
-    mask = batch.loss_mask
-    gap = float((lp2 - lp)[mask].abs().max())
-    figures.update(logprob_max_gap=round(gap, 4), loss=(metrics.loss, metrics2.loss),
-                   grad_norm=(metrics.grad_norm, metrics2.grad_norm))
-    assert gap <= 0.05, gap  # bf16 rounding of two attention kernels; a wrong mask reads > 1
+    gaps = (lp2 - lp)[batch.loss_mask].abs()
+    figures.update(logprob_mean_gap=round(float(gaps.mean()), 4), logprob_max_gap=round(float(gaps.max()), 4),
+                   loss=(metrics.loss, metrics2.loss), grad_norm=(metrics.grad_norm, metrics2.grad_norm))
+    # Random tokens score about -13.7 in bf16, where two kernels round apart. Measured on CPU in bf16
+    # on this batch (2026-11-25): padded rows in micro-batches of 4 vs 8 differ by mean 0.023 / max
+    # 0.26; packed FlexAttention vs padded by mean 0.061 / max 0.42 (an H100: max 0.46); packed rows
+    # whose documents see each other (positions not restarting) by mean 0.42 / max 5.6.
+    assert figures["logprob_mean_gap"] <= 0.15 and figures["logprob_max_gap"] <= 1.5, figures
     assert metrics2.loss == pytest.approx(metrics.loss, abs=2e-3)
     assert metrics2.grad_norm == pytest.approx(metrics.grad_norm, rel=3e-2)
 
