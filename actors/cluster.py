@@ -18,6 +18,8 @@ learners and of the NCCL weight sync. The model path must be readable on every n
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,23 +246,29 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "
           f"{cfg.learner.num_ranks} {cfg.learner.backend} learner rank(s) on {_resources()}")
     print(describe_placement(pg, layout))
+    start, ready = time.perf_counter(), {}
     generator = _engine_group(cfg, model_path, pg, layout, device.kind)
-    if device.kind != "cpu" and cfg.cluster.placement == "colocated":
+    engines_first = device.kind != "cpu" and cfg.cluster.placement == "colocated"
+    if engines_first:
         # vLLM sizes its KV cache from the GPU's free memory measured around its start-up profile,
         # assuming no other process allocates meanwhile: a learner starting beside it was counted
         # as vLLM's own use (ZeRO-3 under memory.plan=auto: "No available memory for the cache
         # blocks"). So colocated engines finish starting before the learners begin.
-        generator.group.call("__ray_ready__")
+        generator.group.ready()
+        ready["engines"] = time.perf_counter() - start
     learners = _learner_group(cfg, model_path, pg, layout)
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
     addr, port = ray.get(node_address.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote())
     transport = choose_transport(cfg, device.kind, addr, port)
     targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks, layout.ranks_per_engine)
-    return RayCluster(
-        generator=generator,
-        learners=learners,
-        weight_sync=WeightSyncer(learners, targets, transport),
-        rewards=RayRewardScorer(cfg.reward, model_path),
-        pg=pg,
-    )
+    rewards = RayRewardScorer(cfg.reward, model_path)
+    learners.group.ready()
+    ready["learners"] = time.perf_counter() - start
+    if not engines_first:
+        generator.group.ready()
+        ready["engines"] = time.perf_counter() - start
+    print("start-up: " + ", ".join(f"{name} ready after {s:.1f} s" for name, s in ready.items())
+          + (" (colocated: the learners start once the engines are up)" if engines_first else ""))
+    return RayCluster(generator=generator, learners=learners, weight_sync=WeightSyncer(learners, targets, transport),
+                      rewards=rewards, pg=pg)
