@@ -33,8 +33,8 @@ from actors.learner_group import RayLearnerGroup
 from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
 from rlhf.config import ConfigError, RunConfig
-from rlhf.dpo import needs_reference_model
 from rlhf.lora import serves_adapters
+from rlhf.rules import engine_count, holds_reference_model
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 LEARNERS = {"fsdp2": "actors.fsdp2_learner:FSDP2Learner", "deepspeed": "actors.deepspeed_learner:DeepSpeedLearner"}
@@ -72,43 +72,10 @@ class Layout:
         return len(self.learner_bundles) // max(1, len(self.engine_bundles))
 
 
-def resolve_engines(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
-    """The number of engines: `cluster.generator_engines`, or what `auto` means for this
-    placement and device (module docstring), checked against the GPUs of the Ray cluster.
-    Raises ConfigError (one line) when the run cannot fit."""
-    cl, ranks, tp = cfg.cluster, cfg.learner.num_ranks, cfg.cluster.generator_tp
-    engines = cl.generator_engines
-    if engines == "auto":
-        if device_kind == "cpu":
-            engines = 1
-        elif cl.placement == "colocated":
-            engines = ranks
-        else:
-            free = int(cluster_gpus) - ranks
-            if free < tp or free % tp:
-                raise ConfigError(
-                    f"cluster.generator_engines=auto: the Ray cluster's {cluster_gpus:g} GPUs less learner.num_ranks="
-                    f"{ranks} leave {free}, not a positive multiple of cluster.generator_tp={tp}; set "
-                    f"cluster.generator_engines or learner.num_ranks")
-            engines = free // tp
-        if cfg.algorithm == "grpo":  # never more engines than a step has groups
-            engines = min(engines, cfg.grpo.prompts_per_step)
-            while cl.placement == "colocated" and ranks % engines:
-                engines -= 1
-    if device_kind != "cpu":
-        need = ranks + (engines * tp if cl.placement == "split" else 0)
-        if need > cluster_gpus:
-            raise ConfigError(
-                f"the run needs {need} GPUs (learner.num_ranks={ranks}"
-                + (f" + {engines} engines x cluster.generator_tp={tp}" if cl.placement == "split" else "")
-                + f") but the Ray cluster has {cluster_gpus:g}")
-    return engines
-
-
 def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
     """Bundles and per-actor resource shares for the configured placement with `engines` engines
     (0: learners only, one whole device each). Colocated, `engines` divides the learner ranks and
-    TP is 1: the config's validation and `resolve_engines` guarantee it."""
+    TP is 1: the config's validation and `rlhf.rules.engine_count` guarantee it."""
     n, tp = cfg.learner.num_ranks, cfg.cluster.generator_tp
     unit = "GPU" if device_kind != "cpu" else "CPU"
     # CPU shares are tokens for scheduling, not a claim on cores: actors on CPU all share the host.
@@ -137,15 +104,6 @@ def _share(share: dict[str, float]) -> dict[str, float]:
     return {"num_gpus": share.get("GPU", 0.0), "num_cpus": share.get("CPU", 0.0)}
 
 
-def needs_reference(cfg: RunConfig) -> bool:
-    """Whether the learners hold a frozen reference model: GRPO with a KL term, DPO unless its
-    reference log-probs are precomputed (or it is SimPO). Never with LoRA: the reference is then
-    the policy with its adapters off (actors.learner_base choice 9)."""
-    if cfg.learner.lora_rank > 0:
-        return False
-    return cfg.grpo.kl_coef > 0 if cfg.algorithm == "grpo" else needs_reference_model(cfg)
-
-
 def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:
     group = ActorGroup(
         load_class(LEARNERS[cfg.learner.backend]), name="learner rank", pg=pg, bundles=layout.learner_bundles,
@@ -153,7 +111,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> 
         make_kwargs=lambda rank, addr, port: dict(
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
             model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
-            temperature=cfg.generation.temperature or 1.0, with_reference=needs_reference(cfg), seed=cfg.seed,
+            temperature=cfg.generation.temperature or 1.0, with_reference=holds_reference_model(cfg), seed=cfg.seed,
             driver_store=True,
         ),
         env=_timeout_env(cfg), rendezvous_store=True,
@@ -240,7 +198,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     device = detect()
-    engines = resolve_engines(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
+    engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
     layout = plan_layout(cfg, device.kind, engines)
     pg = _placement_group(cfg, layout)
     print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "

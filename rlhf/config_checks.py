@@ -160,7 +160,7 @@ def _data(c: RunConfig) -> None:
 
 def _cluster(c: RunConfig) -> None:
     """Engine count and width against the learners and the prompts (what the GPU count allows is
-    checked at launch, against the Ray cluster: actors.cluster.resolve_engines)."""
+    checked at launch, against the Ray cluster: rlhf.rules.engine_count)."""
     cl, ranks = c.cluster, c.learner.num_ranks
     check(cl.timeout_s > 0, "cluster.timeout_s", "a number > 0 (seconds)", cl.timeout_s)
     check(cl.generator_tp >= 1, "cluster.generator_tp", "an integer >= 1", cl.generator_tp)

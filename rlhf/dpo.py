@@ -39,6 +39,7 @@ from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.objectives import DPOObjective, reduce_metrics
 from rlhf.preference_data import PreferenceData
 from rlhf.protocols import LearnerGroup
+from rlhf.rules import scores_reference
 from rlhf.types import PreferenceBatch, PreferencePair, StepMetrics
 
 SCORING_CHUNK_PAIRS = 64
@@ -79,11 +80,6 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
 def dpo_steps(cfg: RunConfig, num_pairs: int) -> int:
     """Optimizer steps of the run: dpo.max_steps, else enough for dpo.epochs passes."""
     return cfg.dpo.max_steps or math.ceil(cfg.dpo.epochs * num_pairs / cfg.dpo.pairs_per_step)
-
-
-def needs_reference_model(cfg: RunConfig) -> bool:
-    """Whether the learners must hold a frozen reference model for DPO (choice 2)."""
-    return cfg.dpo.loss_type != "simpo" and not cfg.dpo.precompute_ref
 
 
 def step_metrics(train: StepMetrics, batch: PreferenceBatch, seconds: dict[str, float], *, epoch: int
@@ -151,7 +147,7 @@ class ReferenceLogps:
         cached = torch.load(path, weights_only=True) if path.is_file() else None
         if cached is not None and cached["fingerprint"] == fingerprint:
             return cls(learners, needed=True, train=cached.get("train"), eval=cached["eval"])
-        use_model = needs_reference_model(cfg)
+        use_model = scores_reference(cfg)
         if not use_model and start_step > 0:
             raise RuntimeError(f"dpo.precompute_ref: {path} is missing or was written for other data; the "
                                f"policy is no longer the reference after step 0, so resume cannot rebuild it")

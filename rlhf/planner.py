@@ -20,7 +20,8 @@ Choices:
      module is the master.
    - Gradients fp32 (both reduce and accumulate in fp32): 4T/N. Adam: 8T/N (two fp32 moments).
      DeepSpeed's `offload_optimizer` moves masters, moments and gradient partitions to the host.
-   - A reference model (DPO without `precompute_ref`, GRPO with `kl_coef > 0`, not with LoRA) is
+   - A reference model (`rlhf.rules.holds_reference_model`: DPO without `precompute_ref` or SimPO,
+     GRPO with `kl_coef > 0`, never with LoRA) is
      another sharded copy: fp32 under FSDP2, bf16 ZeRO-3 under DeepSpeed.
    - Activations per token per decoder layer: b * (13h + 4f + 2a) bytes (h hidden, f MLP width,
      a heads). The textbook 34h + 5as (Korthikanti et al. 2022) is for a 4h GELU MLP and eager
@@ -92,6 +93,7 @@ from typing import Any
 
 from rlhf.config import ConfigError, RunConfig, config_to_dict
 from rlhf.flops import train_flops_per_token
+from rlhf.rules import engine_count, holds_reference_model, run_gpus
 
 GIB = 2**30
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 13, 4, 2  # activation elements per token per layer: 13h + 4f + 2a
@@ -321,11 +323,11 @@ def micro_batch_tokens(cfg: RunConfig) -> int:
 
 
 def engines(cfg: RunConfig) -> int:
-    """vLLM engines of the run (`auto`: one per learner colocated, one split; 0 for DPO)."""
-    if cfg.algorithm == "dpo":
-        return 0
-    auto = cfg.learner.num_ranks if cfg.cluster.placement == "colocated" else 1
-    return auto if cfg.cluster.generator_engines == "auto" else cfg.cluster.generator_engines
+    """vLLM engines of the run on GPUs, by the cluster's own rule (`rlhf.rules.engine_count`) for a
+    cluster of the GPUs the run takes: split `auto` then means one engine (the planner gives every
+    other GPU to the learners, `_choices`)."""
+    pinned = cfg.cluster.generator_engines
+    return engine_count(cfg, "cuda", run_gpus(cfg, 1 if pinned == "auto" else pinned))
 
 
 def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
@@ -346,9 +348,7 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     host_opt = not fsdp and l.offload_optimizer
     grads = 0 if host_opt else 4 * t / n
     optimizer = 0 if host_opt else 8 * t / n
-    grpo_ref, dpo_ref = cfg.grpo.kl_coef > 0, not cfg.dpo.precompute_ref
-    with_ref = not l.lora_rank and (grpo_ref if cfg.algorithm == "grpo" else dpo_ref)
-    reference = (4 if fsdp else 2) * p / n if with_ref else 0
+    reference = (4 if fsdp else 2) * p / n if holds_reference_model(cfg) else 0
     tokens = micro_batch_tokens(cfg)
     h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
     per_layer = b * (ACT_HIDDEN * h + ACT_MLP * f + ACT_HEADS * a) * tokens

@@ -73,18 +73,34 @@ def _cfg(*overrides: str):
 
 
 def test_auto_engine_count_per_placement_and_device():
-    from actors.cluster import resolve_engines
+    from rlhf.rules import engine_count
 
-    assert resolve_engines(_cfg("learner.num_ranks=4"), "cpu", 0) == 1  # CPU: engines would share cores
-    assert resolve_engines(_cfg("learner.num_ranks=4"), "cuda", 4) == 4  # colocated: one per learner GPU
-    assert resolve_engines(_cfg("learner.num_ranks=8", "grpo.prompts_per_step=6"), "cuda", 8) == 4  # <= groups,
+    assert engine_count(_cfg("learner.num_ranks=4"), "cpu", 0) == 1  # CPU: engines would share cores
+    assert engine_count(_cfg("learner.num_ranks=4"), "cuda", 4) == 4  # colocated: one per learner GPU
+    assert engine_count(_cfg("learner.num_ranks=8", "grpo.prompts_per_step=6"), "cuda", 8) == 4  # <= groups,
     # and a divisor of the ranks
     split = ["cluster.placement=split", "learner.num_ranks=7"]
-    assert resolve_engines(_cfg(*split), "cuda", 8) == 1  # the seeds' layout: GPU 0 generates, 1-7 learn
-    assert resolve_engines(_cfg("cluster.placement=split", "learner.num_ranks=4"), "cuda", 8) == 4
-    assert resolve_engines(_cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_tp=2"),
-                           "cuda", 8) == 3
-    assert resolve_engines(_cfg("cluster.generator_engines=2", "learner.num_ranks=2"), "cpu", 0) == 2
+    assert engine_count(_cfg(*split), "cuda", 8) == 1  # the seeds' layout: GPU 0 generates, 1-7 learn
+    assert engine_count(_cfg("cluster.placement=split", "learner.num_ranks=4"), "cuda", 8) == 4
+    assert engine_count(_cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_tp=2"),
+                        "cuda", 8) == 3
+    assert engine_count(_cfg("cluster.generator_engines=2", "learner.num_ranks=2"), "cpu", 0) == 2
+
+
+def test_the_planner_counts_the_engines_the_cluster_builds():
+    """One rule (rlhf.rules.engine_count) for the cluster and the planner: colocated `auto` is capped
+    by the step's prompt groups and divides the ranks (the planner's own copy had said one engine
+    per rank); split with pinned ranks gets every GPU they leave (it had said one engine)."""
+    from rlhf.planner import engines
+    from rlhf.rules import engine_count
+
+    capped = _cfg("learner.num_ranks=8", "grpo.prompts_per_step=6")
+    assert engines(capped) == engine_count(capped, "cuda", 8) == 4
+    split = _cfg("cluster.placement=split", "learner.num_ranks=7")
+    assert engines(split) == engine_count(split, "cuda", 8) == 1
+    pinned = _cfg("cluster.placement=split", "learner.num_ranks=4", "cluster.generator_engines=4")
+    assert engines(pinned) == engine_count(pinned, "cuda", 8) == 4
+    assert engines(load_config(None, ["algorithm=dpo"])) == 0
 
 
 @pytest.mark.parametrize("overrides,gpus,message", [
@@ -94,10 +110,10 @@ def test_auto_engine_count_per_placement_and_device():
     (["learner.num_ranks=4"], 2, "needs 4 GPUs"),
 ])
 def test_engine_count_that_does_not_fit_the_gpus_is_one_line(overrides, gpus, message):
-    from actors.cluster import resolve_engines
+    from rlhf.rules import engine_count
 
     with pytest.raises(ConfigError, match=message) as err:
-        resolve_engines(_cfg(*overrides), "cuda", gpus)
+        engine_count(_cfg(*overrides), "cuda", gpus)
     assert "\n" not in str(err.value)
 
 

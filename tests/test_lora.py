@@ -79,15 +79,15 @@ def test_check_lora_before_start_up(tiny_qwen2):
 
 
 def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
-    from actors.cluster import needs_reference
+    from rlhf.rules import holds_reference_model
     from rlhf.lora import serves_adapters
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, choose_transport
 
-    assert needs_reference(_cfg("grpo.kl_coef=0.05"))
-    assert not needs_reference(_cfg("grpo.kl_coef=0.05", "learner.lora_rank=8"))
+    assert holds_reference_model(_cfg("grpo.kl_coef=0.05"))
+    assert not holds_reference_model(_cfg("grpo.kl_coef=0.05", "learner.lora_rank=8"))
     dpo = load_config(ROOT / "configs/dpo_lora_tiny_cpu.yaml", [])
-    assert needs_reference(dataclasses.replace(dpo, learner=dataclasses.replace(dpo.learner, lora_rank=0)))
-    assert not needs_reference(dpo)
+    assert holds_reference_model(dataclasses.replace(dpo, learner=dataclasses.replace(dpo.learner, lora_rank=0)))
+    assert not holds_reference_model(dpo)
     adapter, merged = (_cfg("learner.lora_rank=8", f"learner.lora_sync={s}") for s in ("adapter", "merged"))
     assert serves_adapters(adapter) and not serves_adapters(merged)
     assert not serves_adapters(_cfg("learner.lora_rank=8", "learner.lora_sync=auto"))  # unsettled: merged

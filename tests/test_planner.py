@@ -58,6 +58,23 @@ def test_weight_gradient_and_optimizer_bytes_by_sharding_mode():
     assert offloaded.masters == offloaded.gradients == offloaded.optimizer == 0
 
 
+@pytest.mark.parametrize(("overrides", "copies"), [
+    (["algorithm=grpo", "grpo.kl_coef=0.05"], 1), (["algorithm=grpo"], 0),
+    (["algorithm=grpo", "grpo.kl_coef=0.05", "learner.lora_rank=8"], 0),  # the adapters-off policy is the reference
+    (["algorithm=dpo"], 1), (["algorithm=dpo", "dpo.precompute_ref=true"], 0),  # precomputed once, no model
+    (["algorithm=dpo", "dpo.precompute_ref=false", "dpo.loss_type=simpo"], 0),  # SimPO has no reference
+])
+def test_a_reference_copy_is_budgeted_exactly_when_the_learners_build_one(overrides, copies):
+    """The planner and the cluster ask one rule (rlhf.rules.holds_reference_model); the planner's own
+    copy had budgeted a reference for SimPO, which builds none."""
+    from rlhf.rules import holds_reference_model
+
+    cfg = load_config(None, ["model.dtype=bfloat16", *overrides])
+    ref = breakdown(cfg, TINY, gpu_kind("h100-80gb")).reference * GIB
+    assert holds_reference_model(cfg) == bool(copies)
+    assert ref == pytest.approx(4 * TINY_PARAMS * copies)  # FSDP2 keeps it in fp32, one rank
+
+
 def test_shape_from_config_json_and_known_names(tmp_path: Path):
     config = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
               "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
