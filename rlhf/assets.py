@@ -339,8 +339,8 @@ ASSETS: dict[str, Asset] = {
     "game24": Asset(fetch_game24, lambda: data_file("game24.csv"), True),
     "qwen2-tokenizer": Asset(fetch_qwen2_tokenizer, lambda: tokenizer_dir("qwen2"), False),
     "hhh-alignment": Asset(fetch_hhh_alignment, lambda: data_file("hhh_alignment.jsonl"), False),
-    "qwen2.5-coder-0.5b-instruct": Asset(_fetch_qwen25_coder, lambda: model_dir("qwen2.5-coder-0.5b-instruct"),
-                                         False),
+    "qwen2.5-coder-0.5b-instruct": Asset(_fetch_qwen25_coder,
+                                         lambda: model_dir("qwen2.5-coder-0.5b-instruct"), False),
 }
 
 # Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).
@@ -359,8 +359,8 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path in MODEL_NAMES:
         folder = MODEL_NAMES[name_or_path].path()
         if not is_fetched(folder):
-            how = ("`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)" if MODEL_NAMES[name_or_path].default
-                   else f"`python -m rlhf.assets fetch {name_or_path}`")
+            how = (f"`python -m rlhf.assets fetch {name_or_path}`" if not MODEL_NAMES[name_or_path].default
+                   else "`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
             raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run {how}")
         return str(folder)
     from rlhf import models  # lazy: it imports transformers

@@ -91,8 +91,9 @@ def assemble(split: SplitFile, out: Path) -> Path:
                 if written != size:
                     more = "more than " if written > size else ""
                     raise AssetError(f"{what}: {more}{min(written, size):,} bytes, expected {size:,}")
-                if split.part_sha256 and part.hexdigest() != split.part_sha256[k - 1]:
-                    raise AssetError(f"{what}: sha256 {part.hexdigest()}, expected {split.part_sha256[k - 1]} "
+                want = split.part_sha256[k - 1] if split.part_sha256 else None
+                if want and part.hexdigest() != want:
+                    raise AssetError(f"{what}: sha256 {part.hexdigest()}, expected {want} "
                                      f"(a corrupted or misordered part)")
         if out.stat().st_size != split.size:
             raise AssetError(f"{split.name}: assembled {out.stat().st_size:,} bytes, expected {split.size:,}")

