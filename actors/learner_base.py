@@ -88,7 +88,8 @@ from rlhf.lora import (
 )
 from rlhf.objectives import is_max_metric, merge_metrics, reduce_metrics
 from rlhf.protocols import Objective
-from rlhf.types import Batch, StepMetrics
+from rlhf.metrics import nonfinite
+from rlhf.types import Batch, StepMetrics, TrainBatch
 
 
 class LearnerRank:
@@ -254,6 +255,20 @@ class LearnerRank:
         metrics = self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
         metrics.values.update({"train/nonfinite_skipped": float(skipped), "train/nonfinite_params": float(broken),
                                **self._perf(flops, seconds)})
+        return metrics
+
+    def update(self, batch: TrainBatch, objective: Objective, reference: bool, updates: int) -> StepMetrics:
+        """`rlhf.protocols.LearnerGroup.update` on this rank's rows: their reference and old
+        log-probs are computed here and stay here (the same rows, micro-batches and values the
+        driver used to gather and send back)."""
+        if reference:
+            batch.ref_logprobs = self.logprobs(batch, reference=True)
+        if updates > 1:
+            batch.old_logprobs = self.logprobs(batch)
+        for _ in range(updates):
+            metrics = self.train_step(batch, objective)
+            if nonfinite(metrics):  # reduced over ranks: every rank stops here
+                break
         return metrics
 
     def _step_if_finite(self, loss_sum: torch.Tensor) -> tuple[float, bool]:

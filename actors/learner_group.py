@@ -8,7 +8,7 @@ import torch
 from actors.actor_group import ActorGroup
 from rlhf.batching import shard_for_rank
 from rlhf.protocols import Objective
-from rlhf.types import Batch, StepMetrics
+from rlhf.types import Batch, StepMetrics, TrainBatch
 
 
 class RayLearnerGroup:
@@ -30,6 +30,11 @@ class RayLearnerGroup:
     def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         per_rank = self.group.call_each("train_step", [(s[0], objective) for s in self._shards(batch)])
         return per_rank[0]  # already reduced over ranks inside the step
+
+    def update(self, batch: TrainBatch, objective: Objective, *, reference: bool, updates: int) -> StepMetrics:
+        per_rank = self.group.call_each("update", [(s[0], objective) for s in self._shards(batch)],
+                                        reference=reference, updates=updates)
+        return per_rank[0]  # reduced over ranks inside each step
 
     def save(self, path: str) -> None:
         self.group.call("save", path, self.model_path, self.export_dtype)

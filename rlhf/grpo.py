@@ -44,10 +44,11 @@ from rlhf.config import RunConfig
 from rlhf.data import PromptStream
 from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
-from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth, nonfinite
+from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
+from rlhf.rules import scores_reference
 from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 
@@ -132,17 +133,11 @@ def evaluate_if_due(evaluator: Evaluator | None, generator: Generator, step: int
 
 
 def update_policy(cluster: Cluster, batch: TrainBatch, objective: GRPOObjective, cfg: RunConfig) -> StepMetrics:
-    """Reference/old log-probs when the objective needs them, then the optimizer update(s).
-    The generator sleeps meanwhile, so colocated learners get its device memory."""
+    """Reference/old log-probs when the objective needs them, then the optimizer update(s), all
+    on the learners. The generator sleeps meanwhile, so colocated learners get its device memory."""
     cluster.generator.sleep()
-    if cfg.grpo.kl_coef > 0:
-        batch.ref_logprobs = cluster.learners.logprobs(batch, reference=True)
-    if cfg.grpo.updates_per_step > 1:
-        batch.old_logprobs = cluster.learners.logprobs(batch)
-    for _ in range(cfg.grpo.updates_per_step):
-        metrics = cluster.learners.train_step(batch, objective)
-        if nonfinite(metrics):  # the same batch again would be no better
-            break
+    metrics = cluster.learners.update(batch, objective, reference=scores_reference(cfg),
+                                      updates=cfg.grpo.updates_per_step)
     cluster.generator.wake()
     return metrics
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics
+from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics, TrainBatch
 
 # A training objective: (token log-probs [B, T] of the current policy, the micro-batch (a
 # TrainBatch for GRPO, a PreferenceBatch for DPO), the denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
@@ -68,6 +68,13 @@ class LearnerGroup(Protocol):
 
     def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         """One optimizer step over the whole batch (micro-batches, gradient accumulation)."""
+        ...
+
+    def update(self, batch: TrainBatch, objective: Objective, *, reference: bool, updates: int) -> StepMetrics:
+        """GRPO's whole policy update of one step, on the ranks: the reference log-probs when
+        `reference`, the old log-probs when `updates` > 1 (the policy that sampled), then `updates`
+        optimizer steps, stopping after one the learners skipped as NaN/inf. The batch goes to the
+        ranks once and the log-probs never leave them. Returns the last step's metrics."""
         ...
 
     def save(self, path: str) -> None:

@@ -230,3 +230,52 @@ def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type
         assert got.values["rewards/accuracy"] == pytest.approx(accuracy)
     assert steps[0].loss == pytest.approx(0.6931472 if loss_type == "sigmoid" else 0.25 / 0.01, rel=1e-5)
     assert steps[-1].loss < steps[0].loss  # the same pairs three times: the loss goes down
+
+
+def _one_rank(model_path: str, objective_kl: float):
+    """One FSDP2 rank with a reference model in this process (its own one-rank group on a kernel-picked
+    port), and the objective with a KL term."""
+    import torch.distributed as dist
+
+    from actors.fsdp2_learner import FSDP2Learner
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    learner = FSDP2Learner(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
+                           model_path=model_path, model_cfg=ModelConfig(dtype="float32"), learner_cfg=LEARNER,
+                           temperature=1.0, with_reference=True, seed=0, driver_store=True)
+    return learner, store, GRPOObjective(kl_coef=objective_kl)
+
+
+def _close(learner) -> None:
+    import torch.distributed as dist
+
+    learner.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_update_on_the_rank_equals_the_driver_round_trip(tiny_qwen2):
+    """`update` computes the reference and old log-probs on the rank and takes the optimizer steps
+    there: the same losses, KL, gradient norms and weights as the former sequence of calls whose
+    log-probs went to the driver and back."""
+    from transformers import AutoConfig
+
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    learner, _store, objective = _one_rank(str(tiny_qwen2), 0.1)
+    try:
+        on_rank = learner.update(replace(batch), objective, reference=True, updates=2)
+        weights = {n: t.clone() for b in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in b}
+    finally:
+        _close(learner)
+    learner, _store, objective = _one_rank(str(tiny_qwen2), 0.1)
+    try:
+        driven = replace(batch, ref_logprobs=learner.logprobs(batch, reference=True), old_logprobs=learner.logprobs(batch))
+        for _ in range(2):
+            metrics = learner.train_step(driven, objective)
+        expected = {n: t.clone() for b in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in b}
+    finally:
+        _close(learner)
+    assert (on_rank.loss, on_rank.grad_norm, on_rank.values["kl"]) == (metrics.loss, metrics.grad_norm,
+                                                                       metrics.values["kl"])
+    assert on_rank.values["kl"] > 0  # the second update moved the policy away from the reference
+    assert expected.keys() == weights.keys() and all(torch.equal(expected[n], weights[n]) for n in expected)
