@@ -64,9 +64,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
-from rlhf.data.batching import micro_batches
-from rlhf.config import LearnerConfig
-from rlhf.planner.flops import train_flops
 from rlhf.algo.logprobs import (
     LogprobHead,
     align_next_token,
@@ -78,6 +75,9 @@ from rlhf.algo.logprobs import (
     shared_prompt_logprobs,
     token_logprobs,
 )
+from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
+from rlhf.config import LearnerConfig
+from rlhf.data.batching import micro_batches
 from rlhf.lora import (
     adapter_config,
     adapter_weights,
@@ -86,7 +86,7 @@ from rlhf.lora import (
     merged_weights,
     save_adapter,
 )
-from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
+from rlhf.planner.flops import train_flops
 from rlhf.protocols import Objective
 from rlhf.types import Batch, StepMetrics
 

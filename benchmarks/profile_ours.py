@@ -60,9 +60,9 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
     from benchmarks.workloads import grpo_step_prompts
     from rewards.api import combine
     from rlhf.algo.advantages import grpo_advantages
+    from rlhf.algo.objectives import GRPOObjective
     from rlhf.data.batching import rollouts_to_batch
     from rlhf.scoring import decode_completions
-    from rlhf.algo.objectives import GRPOObjective
     from rlhf.types import RolloutBatch, SamplingSpec
 
     steps = grpo_step_prompts(cfg, tokenizer)[:2]
@@ -109,11 +109,11 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
 
 
 def profile_dpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: dict[str, Any]) -> None:
+    from rlhf.algo.objectives import DPOObjective
     from rlhf.data.batching import pairs_to_batch
+    from rlhf.data.preferences import load_preference_data
     from rlhf.data.prompts import PromptStream
     from rlhf.dpo import needs_reference_model
-    from rlhf.algo.objectives import DPOObjective
-    from rlhf.data.preferences import load_preference_data
 
     data = load_preference_data(cfg, tokenizer)
     stream = PromptStream(data.train, seed=cfg.seed)

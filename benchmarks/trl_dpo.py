@@ -27,8 +27,6 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
 
     Rows are matched to our tokenized pairs one by one (rows our loader skipped or dropped are
     skipped here too), then ordered by the epoch-shuffled stream `rlhf.dpo.run_dpo` takes them from."""
-    from rlhf.data.prompts import PromptStream
-    from rlhf.dpo import dpo_steps
     from rlhf.data.preferences import (
         MalformedRow,
         _load_records,
@@ -37,6 +35,8 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
         parse_row,
         tokenize_row,
     )
+    from rlhf.data.prompts import PromptStream
+    from rlhf.dpo import dpo_steps
 
     data = load_preference_data(cfg, tokenizer)
     records, _ = _load_records(cfg, "train")

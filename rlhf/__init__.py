@@ -59,10 +59,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from rlhf.algo.advantages import grpo_advantages
-    from rlhf.config import ConfigError, RunConfig, load_config
-    from rlhf.grpo import run_grpo
-    from rlhf.algo.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs, sequence_logprobs,
-                               token_logprobs, unpack)
+    from rlhf.algo.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs,
+                                    sequence_logprobs, token_logprobs, unpack)
     from rlhf.algo.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
     from rlhf.algo.objectives import DPOObjective, GRPOObjective, reduce_metrics
+    from rlhf.config import ConfigError, RunConfig, load_config
+    from rlhf.grpo import run_grpo
     from rlhf.types import Completion, PreferenceBatch, PromptRow, SamplingSpec, TrainBatch

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from rlhf.data.batching import pairs_to_batch
-from rlhf.run.checkpoint import resume, save_checkpoint
-from rlhf.config import RunConfig
-from rlhf.data.prompts import PromptStream
-from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.algo.objectives import DPOObjective, reduce_metrics
+from rlhf.config import RunConfig
+from rlhf.data.batching import pairs_to_batch
 from rlhf.data.preferences import PreferenceData
+from rlhf.data.prompts import PromptStream
 from rlhf.protocols import LearnerGroup
+from rlhf.run.checkpoint import resume, save_checkpoint
+from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.types import PreferenceBatch, PreferencePair, StepMetrics
 
 SCORING_CHUNK_PAIRS = 64

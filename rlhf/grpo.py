@@ -38,16 +38,16 @@ from typing import Any
 import torch
 
 from rlhf.algo.advantages import grpo_advantages
-from rlhf.data.batching import rollouts_to_batch
-from rlhf.run.checkpoint import resume, save_checkpoint
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
+from rlhf.data.batching import rollouts_to_batch
 from rlhf.data.prompts import PromptStream
 from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
-from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth, nonfinite
-from rlhf.algo.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
+from rlhf.run.checkpoint import resume, save_checkpoint
+from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth, nonfinite
 from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from scripts.launch import with_compute_dtype  # noqa: E402
 from rlhf.config import ConfigError, load_config  # noqa: E402
 from rlhf.data.model_folder import check_model_files  # noqa: E402
+from scripts.launch import with_compute_dtype  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

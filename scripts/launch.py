@@ -28,8 +28,8 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
     print goes to `<output_dir>/logs/` (scripts/console.py). Yields the output folder."""
     import ray
 
-    from scripts.console import describe_run, driver_logs_to_file, ray_init_kwargs
     from rlhf.run.trackers import check_backends
+    from scripts.console import describe_run, driver_logs_to_file, ray_init_kwargs
 
     check_backends(cfg.logging.backends)  # a missing tracker package: one line, before anything starts
     out, verbose = Path(cfg.output_dir), cfg.logging.verbose

@@ -32,9 +32,9 @@ def prepare_run(cfg):
     from transformers import AutoTokenizer
 
     from rlhf.data.assets import resolve_model_path
-    from rlhf.data.prompts import PromptStream
     from rlhf.data.model_folder import check_context, check_model_files
     from rlhf.data.preferences import load_preference_data
+    from rlhf.data.prompts import PromptStream
     from rlhf.run.folder import check_resume
 
     model_path = resolve_model_path(cfg.model.path)
@@ -50,9 +50,9 @@ def prepare_run(cfg):
 
 def run(cfg, model_path: str, tokenizer, data) -> None:
     from actors.cluster import build_learner_cluster
-    from scripts.launch import ray_session
     from rlhf.dpo import run_dpo
     from rlhf.run.plots import plot_metrics
+    from scripts.launch import ray_session
 
     with ray_session(cfg) as out:
         cluster = build_learner_cluster(cfg, model_path)

@@ -31,8 +31,8 @@ def prepare_run(cfg):
 
     from rewards import load_reward_fn
     from rlhf.data.assets import resolve_model_path
-    from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
     from rlhf.data.model_folder import check_context, check_model_files
+    from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
     from rlhf.run.folder import check_resume
 
     for fn in cfg.reward.functions:
@@ -51,9 +51,9 @@ def prepare_run(cfg):
 
 def run(cfg, model_path: str, tokenizer, prompts) -> None:
     from actors.cluster import build_cluster
-    from scripts.launch import ray_session
     from rlhf.grpo import run_grpo
     from rlhf.run.plots import plot_metrics
+    from scripts.launch import ray_session
 
     with ray_session(cfg) as out:
         cluster = build_cluster(cfg, model_path)

@@ -15,7 +15,8 @@ SMOLLM2 = "smollm2-135m-instruct"
 def smollm2_dir():
     folder = assets.model_dir(SMOLLM2)
     if not assets.is_fetched(folder):
-        pytest.fail(f"{folder} is missing: run `bash scripts/setup.sh` (or `python -m rlhf.data.assets fetch`)")
+        pytest.fail(f"{folder} is missing: run `bash scripts/setup.sh` "
+                    "(or `python -m rlhf.data.assets fetch`)")
     return folder
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.data.batching import micro_batch_items, micro_batches, pairs_to_batch
 from rlhf.algo.objectives import DPOObjective, GRPOObjective
+from rlhf.data.batching import micro_batch_items, micro_batches, pairs_to_batch
 from rlhf.types import PreferencePair, TrainBatch
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.run.checkpoint import (CheckpointError, checkpoint_to_resume, latest_checkpoint, load_checkpoint,
-                             save_checkpoint)
+                                 save_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -29,12 +29,13 @@ import pytest
 import torch
 
 import rlhf.run.checkpoint as ckpt
-from rlhf.run import signing
-from rlhf.run.checkpoint import (CheckpointError, CheckpointSaveError, UntrustedCheckpoint, checkpoint_to_resume,
-                             complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint)
 from rlhf.config import ConfigError, load_config
 from rlhf.errors import RunError
 from rlhf.planner.memory import model_shape
+from rlhf.run import signing
+from rlhf.run.checkpoint import (CheckpointError, CheckpointSaveError, UntrustedCheckpoint,
+                                 checkpoint_to_resume, complete_checkpoints, latest_checkpoint,
+                                 load_checkpoint, save_checkpoint)
 from rlhf.types import Completion, PromptRow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -442,8 +443,8 @@ def test_other_failures_keep_the_export_and_raise_as_they_were(tmp_path, capsys)
 
 
 def _learner_rank(backend: str, lora: int, model_path: str, out: str, key_dir: str) -> None:
-    from rlhf.config import GRPOConfig, LearnerConfig, ModelConfig
     from rlhf.algo.objectives import GRPOObjective
+    from rlhf.config import GRPOConfig, LearnerConfig, ModelConfig
     from tests.test_fsdp2_learner import make_batch
 
     os.environ["RLHF_KEY_DIR"] = key_dir

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from actors.worker_setup import HARMLESS, TIED_LM_HEAD, silence_harmless_warnings
-from scripts.console import collect_ray_logs, driver_logs_to_file, ray_init_kwargs
 from rlhf.config import ConfigError, load_config
 from rlhf.run.metrics import read_metrics
+from scripts.console import collect_ray_logs, driver_logs_to_file, ray_init_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 

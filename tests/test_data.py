@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.config import DataConfig
 from rlhf.data import assets
 from rlhf.data import prompts as data
-from rlhf.config import DataConfig
 from rlhf.data.prompts import PromptStream, last_boxed, load_prompts, render_prompt, tokenize_prompts
 from rlhf.types import PromptRow
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf.data.batching import shard_for_rank
-from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.algo.objectives import DPOObjective, GRPOObjective
+from rlhf.config import LearnerConfig, ModelConfig
+from rlhf.data.batching import shard_for_rank
 from rlhf.types import PreferenceBatch, TrainBatch
 
 # warmup_steps=3: steps run at lr/3, 2lr/3, lr, so a checkpoint that loses the scheduler's position

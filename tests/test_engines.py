@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from rlhf.data.batching import even_shards
 from rlhf.config import ConfigError, load_config
+from rlhf.data.batching import even_shards
 from rlhf.types import Completion, SamplingSpec
 
 # ------------------------------------------------------------------------------------------------

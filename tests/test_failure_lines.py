@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.run.checkpoint import MANIFEST, checkpoint_root, save_checkpoint
 from rlhf.config import load_config
+from rlhf.run.checkpoint import MANIFEST, checkpoint_root, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = ["--config", "configs/grpo_tiny_cpu.yaml"]
@@ -83,8 +83,8 @@ def earlier_run(out: Path, steps: int = 3, checkpoint: bool = True, overrides: t
     """What a finished GRPO run of the tiny recipe leaves in `out`: config.yaml, metrics.jsonl,
     logs/, and (with `checkpoint`) a checkpoint of its last step whose data state is that of the
     recipe's prompts, so that resume=true with the same settings fits it."""
-    from scripts.launch import write_run_config
     from rlhf.data.assets import resolve_model_path
+    from scripts.launch import write_run_config
 
     cfg = load_config(ROOT / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out}", *overrides])
     (out / "logs").mkdir(parents=True)
@@ -214,8 +214,8 @@ def test_a_resume_that_does_not_fit_its_checkpoint_is_one_line_naming_what_diffe
 
 def _cli(tmp_path: Path, run, *overrides: str) -> int:
     """The entry scripts' cli with the tiny recipe, `run` in place of the real one."""
-    from scripts.launch import cli
     from rlhf.data.assets import resolve_model_path
+    from scripts.launch import cli
 
     try:
         return cli("doc", "configs/grpo_tiny_cpu.yaml", "grpo", [f"output_dir={tmp_path}", *overrides],
@@ -287,8 +287,8 @@ def test_a_failing_log_copy_never_replaces_the_error_the_run_ends_with(tmp_path,
     import ray
 
     import scripts.console
-    from scripts.launch import ray_session
     from rlhf.errors import RunError
+    from scripts.launch import ray_session
 
     class Context:
         address_info = {"session_dir": str(tmp_path / "session")}

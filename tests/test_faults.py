@@ -116,8 +116,8 @@ def test_vllm_compile_caches_are_kept_apart_per_cpu_capability(tmp_path):
 
 def test_the_settled_dtype_is_printed_once_and_is_what_actors_see(monkeypatch, capsys):
     import actors.device
-    from scripts.launch import with_compute_dtype
     from rlhf.config import load_config
+    from scripts.launch import with_compute_dtype
 
     monkeypatch.setattr(actors.device, "cpu_bf16", lambda: (False, "ATen AVX2, oneDNN bf16 off"))
     monkeypatch.setattr(actors.device, "detect", lambda: actors.device.CpuDevice())

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf.data.batching import shard_for_rank
-from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.algo.objectives import DPOObjective, GRPOObjective
+from rlhf.config import LearnerConfig, ModelConfig
+from rlhf.data.batching import shard_for_rank
 from rlhf.types import PreferenceBatch, TrainBatch
 
 LEARNER = LearnerConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0)

@@ -63,7 +63,7 @@ def test_algorithm_and_data_never_import_a_loop(package):
 def test_algorithm_math_imports_only_contracts_config_and_itself():
     allowed = {"rlhf.config", "rlhf.types", "rlhf.errors"}
     for path in python_files("rlhf/algo"):
-        ours = {m for m in imported_names(path) if m.split(".")[0] in {"rlhf", "actors", "scripts", "rewards"}}
+        ours = {m for m in imported_names(path) if m.split(".")[0] in {"rlhf", *PRODUCT}}
         assert {m for m in ours if m not in allowed and not m.startswith("rlhf.algo.")} == set(), path
 
 
@@ -71,8 +71,10 @@ def test_every_module_sits_in_a_named_package():
     """rlhf/ top level: contracts, config, the loops and what they share; every other module is in
     one of the sub-packages, each of which says what it holds in its docstring."""
     top = {p.name for p in (ROOT / "rlhf").glob("*.py")}
-    assert top == {"__init__.py", "protocols.py", "types.py", "errors.py", "config.py", "config_checks.py",
-                   "config_loading.py", "grpo.py", "dpo.py", "rollouts.py", "evaluate.py", "scoring.py", "lora.py"}
+    assert top == {"__init__.py", "protocols.py", "types.py", "errors.py",  # contracts
+                   "config.py", "config_checks.py", "config_loading.py",  # config
+                   "grpo.py", "dpo.py", "rollouts.py", "evaluate.py",  # the loops
+                   "scoring.py", "lora.py"}  # what training and evaluation, learners and engines share
     for package in ("algo", "data", "run", "planner"):
         assert ast.get_docstring(ast.parse((ROOT / "rlhf" / package / "__init__.py").read_text())), package
 
@@ -145,5 +147,6 @@ def test_readme_architecture_names_every_module_and_folder():
     missing = sorted(str(p.relative_to(ROOT)) for p in modules if f"`{p.relative_to(ROOT)}`" not in section)
     assert missing == []
     folders = {p.parent.relative_to(ROOT).parts[-1] for p in (ROOT / "rlhf").glob("*/__init__.py")}
-    listed = {line.split()[0].rstrip("/") for line in section.splitlines() if line.startswith("  ") and "/" in line}
+    listed = {line.split()[0].rstrip("/") for line in section.splitlines()
+              if line.startswith("  ") and "/" in line}
     assert folders <= listed

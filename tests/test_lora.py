@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.data.batching import shard_for_rank
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
-from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
+from rlhf.data.batching import shard_for_rank
+from rlhf.lora import (adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules,
+                       target_modules)
 from rlhf.run.metrics import read_metrics
 from tests.runs import run_training
-from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,8 +81,8 @@ def test_check_lora_before_start_up(tiny_qwen2):
 
 def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
     from actors.cluster import needs_reference
-    from rlhf.lora import serves_adapters
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, choose_transport
+    from rlhf.lora import serves_adapters
 
     assert needs_reference(_cfg("grpo.kl_coef=0.05"))
     assert not needs_reference(_cfg("grpo.kl_coef=0.05", "learner.lora_rank=8"))

@@ -59,9 +59,9 @@ def two_engine_run(tmp_path_factory):
     import ray
 
     from actors.cluster import build_cluster
-    from scripts.launch import ray_session
     from rlhf.config import load_config
     from rlhf.grpo import run_grpo
+    from scripts.launch import ray_session
 
     out = tmp_path_factory.mktemp("two-engines")
     cfg = load_config(ROOT / "configs" / "grpo_tiny_cpu.yaml", [f"output_dir={out}", *COMMON])

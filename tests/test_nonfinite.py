@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.run.metrics import NonfiniteTraining, TrainHealth
-from rlhf.algo.objectives import GRPOObjective
 from rlhf.types import StepMetrics
 from tests.test_fsdp2_learner import make_batch
 

@@ -12,17 +12,18 @@ import pytest
 import torch
 import yaml
 
-from scripts.launch import cli, write_run_config
 from rlhf.config import ConfigError, explicit_keys, load_config
-from rlhf.planner.memory import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind, make_plan,
-                          model_shape, no_fit_message, predicted_learner_peak_gib)
+from rlhf.planner.memory import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind,
+                                 make_plan, model_shape, no_fit_message, predicted_learner_peak_gib)
+from scripts.launch import cli, write_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 PLANNED = ROOT / "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
 # The 7B one-GPU recipe as full fine-tuning with its former pins: fits no single GPU.
 FULL_7B = ["learner.lora_rank=0", "learner.micro_batch_size=4", "generation.gpu_memory_utilization=0.35"]
-# tiny-qwen2's shape (rlhf/data/tiny_models.py): hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256, vocab 1024
+# tiny-qwen2's shape (rlhf/data/tiny_models.py): hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256,
+# vocab 1024
 TINY = ModelShape(128, 2, 2, 1, 256, 1024, tie_word_embeddings=False, attention_bias=True)
 TINY_PARAMS = (2 * (128 * 128 * 2 + 128 * 64 * 2 + (128 + 2 * 64) + 3 * 128 * 256 + 2 * 128)  # layers
                + 2 * 1024 * 128 + 128)  # embeddings, untied head, final norm

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf.config import load_config
 from rlhf.data.assets import hhh_pairs
 from rlhf.data.batching import micro_batches, pairs_to_batch, shard_for_rank
-from rlhf.config import load_config
 from rlhf.data.preferences import (
     MalformedRow,
     PreferenceRow,

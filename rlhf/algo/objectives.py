@@ -28,9 +28,10 @@ from typing import get_args
 
 import torch
 
-from rlhf.config import DPOConfig, GRPOConfig
 from rlhf.algo.logprobs import sequence_logprobs
-from rlhf.algo.losses import ISCorrection, KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, importance_weights, simpo_loss
+from rlhf.algo.losses import (ISCorrection, KLEstimator, LossAgg, dpo_loss, grpo_policy_loss,
+                              importance_weights, simpo_loss)
+from rlhf.config import DPOConfig, GRPOConfig
 from rlhf.types import PreferenceBatch, TrainBatch
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")

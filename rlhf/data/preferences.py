@@ -8,7 +8,8 @@ Sources (`dpo.dataset`):
                        ("12 + 7 = 19. The answer is 19."), rejected = the same with a wrong result
     countdown_pairs    from the `countdown` task: chosen = a solving expression, rejected = the same
                        expression with one operator changed so it misses the target
-    hhh_alignment      BIG-bench's helpful/honest/harmless pairs (`python -m rlhf.data.assets fetch hhh-alignment`)
+    hhh_alignment      BIG-bench's helpful/honest/harmless pairs
+                       (`python -m rlhf.data.assets fetch hhh-alignment`)
     jsonl:<path>, parquet:<path>, hf:<dataset>[:<split>]
 
 Row layouts (detected per row):
@@ -211,7 +212,8 @@ def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
 
     path = data_file("hhh_alignment.jsonl")
     if not is_fetched(path):
-        raise FileNotFoundError("dpo.dataset=hhh_alignment needs `python -m rlhf.data.assets fetch hhh-alignment` "
+        raise FileNotFoundError("dpo.dataset=hhh_alignment needs "
+                                "`python -m rlhf.data.assets fetch hhh-alignment` "
                                 "(extracts BIG-bench's pairs from its source package)")
     return [rec for _, rec in _seeded_split(_read_file("jsonl", path), cfg, split)]
 

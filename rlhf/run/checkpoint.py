@@ -18,10 +18,10 @@ Choices:
 3. Hashing costs about a second per GB on one core, at save and once more at resume; a
    checkpoint is verified once per process however often it is asked for.
 4. No pickle from another machine ever runs. The run state is JSON + safetensors, formats that
-   hold data only (rlhf.run.signing choice 4). The train state is pickles (DCP's `.metadata`, DeepSpeed's files), so the
-   manifest is signed with this machine's key (rlhf.run.signing) and the driver refuses, in one line
-   saying how to trust it deliberately, any checkpoint whose signature is not its own, before any
-   learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
+   hold data only (rlhf.run.signing choice 4). The train state is pickles (DCP's `.metadata`,
+   DeepSpeed's files), so the manifest is signed with this machine's key (rlhf.run.signing) and
+   the driver refuses, in one line saying how to trust it deliberately, any checkpoint whose
+   signature is not its own, before any learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
    of an earlier version is read only in a checkpoint signed here, with torch's weights-only
    unpickler.
 5. `keep_checkpoints=N`: after each complete save, the complete checkpoints older than the newest
@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
-from rlhf.run import signing
 from rlhf.errors import RunError
 from rlhf.protocols import LearnerGroup
+from rlhf.run import signing
 from rlhf.run.signing import read_run_state, write_run_state
 
 if TYPE_CHECKING:
