@@ -5,7 +5,7 @@ it) and fan-out live here and nowhere else. The `.options(...).remote(...)` call
 one place.
 
 Listening sockets: the driver's store listens on the node's own address as Ray knows it (127.0.0.1
-under a local Ray, `actors.console.ray_init_kwargs`), never the wildcard; under a local Ray the
+under a local Ray, `scripts.console.ray_init_kwargs`), never the wildcard; under a local Ray the
 actors' gloo, NCCL and vLLM sockets are kept on loopback too (`loopback_env`). A TCPStore has no
 authentication: its values are sealed with a per-group secret that the actors get through Ray
 (`SealedStore`, `RENDEZVOUS_KEY_ENV`), so a client without it cannot forge what the ranks read.
@@ -149,7 +149,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 def host_store(world_size: int, address: str | None = None) -> tuple[str, int, Any]:
     """A torch.distributed TCPStore served by this process (the driver): (address, port, store).
     It listens on `address` only (default: this node's address as Ray knows it, 127.0.0.1 under a
-    local Ray started by `actors.console.ray_init_kwargs`, the node's own IP in a cluster), never on
+    local Ray started by `scripts.console.ray_init_kwargs`, the node's own IP in a cluster), never on
     the wildcard: the socket is bound here and handed to the store (`master_listen_fd`), on a port
     the kernel picks while binding. Picking a free port, closing it and handing the number to a
     process that binds it seconds later loses, now and then, to any other process binding in
@@ -314,7 +314,7 @@ def loopback_interface() -> str:
 
 
 def loopback_env() -> dict[str, str]:
-    """Under a Ray whose node address is loopback (a local run, `actors.console.ray_init_kwargs`),
+    """Under a Ray whose node address is loopback (a local run, `scripts.console.ray_init_kwargs`),
     what keeps the actors' own sockets there too: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the
     loopback interface (gloo otherwise binds the address the host name resolves to, NCCL its first
     other interface), VLLM_HOST_IP is that address (vLLM otherwise advertises, and its world's

@@ -24,8 +24,8 @@ Choices:
    from our config after the merge, and HF Trainer's "auto" placeholders are dropped.
 5. Resumable state is DeepSpeed's own checkpoint (`engine.save_checkpoint`: fp32 master weights,
    optimizer and scheduler, sharded per rank) under `train_state/`, written after the HF export
-   (rlhf.checkpoint choice 6). DeepSpeed's files are pickles it reads with `weights_only=False`;
-   the driver loads only checkpoints signed on this machine (rlhf.checkpoint choice 4), and as a
+   (rlhf.run.checkpoint choice 6). DeepSpeed's files are pickles it reads with `weights_only=False`;
+   the driver loads only checkpoints signed on this machine (rlhf.run.checkpoint choice 4), and as a
    second defence the engine's checkpoint reader is swapped for a weights-only one that knows
    DeepSpeed's few state classes (`weights_only_load`).
 6. LoRA (learner_base choice 9): PEFT wraps the model before `deepspeed.initialize`, and the

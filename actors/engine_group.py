@@ -1,7 +1,7 @@
 """EngineGroup: E generation engines (vLLM or HF actors) seen by the loop as one `Generator`.
 
 Data-parallel generation: a call's prompts are cut into E contiguous, balanced shards
-(`rlhf.batching.even_shards`), engine e gets shard e, and the engines' answers concatenated in
+(`rlhf.data.batching.even_shards`), engine e gets shard e, and the engines' answers concatenated in
 engine order are in prompt order. The unit is a prompt with its `n` samples, so a GRPO group
 never spans engines. Each engine is told the step-wide index of its first prompt, which seeds its
 prompts exactly as one engine would (`SamplingSpec.prompt_seed`): with vLLM the samples do not
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import ray
 
 from actors.actor_group import ActorGroup, gather_timed
-from rlhf.batching import even_shards
+from rlhf.data.batching import even_shards
 from rlhf.types import Completion, SamplingSpec
 
 

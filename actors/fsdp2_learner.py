@@ -10,8 +10,8 @@ Choices:
    compute, and only one layer is unsharded at a time.
 3. Resumable state is torch.distributed.checkpoint (sharded model + optimizer) plus the scheduler;
    the HF export next to it is gathered parameter by parameter, and written first (a save that
-   fails on the train state still leaves a whole model: rlhf.checkpoint choice 6). DCP pickles its
-   `.metadata`; the driver loads only checkpoints signed on this machine (rlhf.checkpoint choice
+   fails on the train state still leaves a whole model: rlhf.run.checkpoint choice 6). DCP pickles its
+   `.metadata`; the driver loads only checkpoints signed on this machine (rlhf.run.checkpoint choice
    4), and as a second defence the learner reads that file with an unpickler that builds only
    DCP's metadata classes, and DCP's non-tensor items (optimizer hyper-parameters) weights-only.
 4. LoRA (learner_base choice 9): PEFT wraps the model before `fully_shard`, so each decoder layer's

@@ -22,10 +22,10 @@ Shared choices:
    distribution, which is most of the work past the decoder layers on short completions.
 6. `learner.share_prompts`: the rows of a micro-batch that share a prompt (a GRPO group, a DPO
    pair) run as one row, the prompt once and the completions after it under a block mask
-   (rlhf.logprobs.share_prompts). Same log-probs; the prompt's compute is paid once per group.
+   (rlhf.algo.logprobs.share_prompts). Same log-probs; the prompt's compute is paid once per group.
    A dense mask, so it pays off where prompts are long against completions or attention is cheap
    (CPU, short sequences), not with flash-attention kernels on long completions.
-7. `learner.fused_head` (default): every model's `lm_head` is a `rlhf.logprobs.LogprobHead`, so on
+7. `learner.fused_head` (default): every model's `lm_head` is a `rlhf.algo.logprobs.LogprobHead`, so on
    padded and packed micro-batches the model returns next-token log-probs computed chunk by chunk
    from the hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt
    micro-batches use the head as a plain linear layer).
@@ -46,7 +46,7 @@ Shared choices:
 10. A step whose loss or global grad norm is NaN/inf on any rank is skipped (gradients dropped, no
    optimizer or scheduler step; one all-reduce, so all ranks agree; DeepSpeed's engine does it
    itself): `train/nonfinite_skipped` = 1. After an update, `train/nonfinite_params` = 1 says that
-   the weights' local shards hold NaN/inf. The driver decides what follows (rlhf.metrics.TrainHealth).
+   the weights' local shards hold NaN/inf. The driver decides what follows (rlhf.run.metrics.TrainHealth).
 """
 
 from __future__ import annotations
@@ -64,10 +64,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
-from rlhf.batching import micro_batches
-from rlhf.config import LearnerConfig
-from rlhf.flops import train_flops
-from rlhf.logprobs import (
+from rlhf.algo.logprobs import (
     LogprobHead,
     align_next_token,
     next_token_targets,
@@ -78,6 +75,9 @@ from rlhf.logprobs import (
     shared_prompt_logprobs,
     token_logprobs,
 )
+from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
+from rlhf.config import LearnerConfig
+from rlhf.data.batching import micro_batches
 from rlhf.lora import (
     adapter_config,
     adapter_weights,
@@ -86,9 +86,9 @@ from rlhf.lora import (
     merged_weights,
     save_adapter,
 )
-from rlhf.objectives import is_max_metric, merge_metrics, reduce_metrics
+from rlhf.planner.flops import train_flops
 from rlhf.protocols import Objective
-from rlhf.metrics import nonfinite
+from rlhf.run.metrics import nonfinite
 from rlhf.types import Batch, StepMetrics, TrainBatch
 
 
@@ -225,7 +225,7 @@ class LearnerRank:
     def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         """Forward/backward over micro-batches, clip, one optimizer step (none where the loss or the
         gradient is not finite: choice 10). Metrics follow the objective's contract
-        (rlhf.objectives): summed over micro-batches and ranks, then reduced."""
+        (rlhf.algo.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
         self.device.synchronize()

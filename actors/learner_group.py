@@ -6,7 +6,7 @@ import ray
 import torch
 
 from actors.actor_group import ActorGroup
-from rlhf.batching import shard_for_rank
+from rlhf.data.batching import shard_for_rank
 from rlhf.protocols import Objective
 from rlhf.types import Batch, StepMetrics, TrainBatch
 

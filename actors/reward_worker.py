@@ -1,6 +1,6 @@
 """Reward scoring off the learners: one Ray actor that decodes completions and runs a `rewards.RewardPool`.
 
-Where completions become text: here, once per step, in one batch (`rlhf.evaluate.decode_completions`).
+Where completions become text: here, once per step, in one batch (`rlhf.scoring.decode_completions`).
 - Engines return token ids only: vLLM's incremental detokenizer runs inside the engine's loop,
   between decode steps (one H200: 18-24k tokens/s with it, 33-43k with `detokenize=False`). The HF
   backend returns ids too, so the backend cannot change the strings the rewards see.
@@ -30,7 +30,7 @@ class RewardWorker:
     def __init__(self, cfg: RewardConfig, tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
 
-        from rlhf.evaluate import PoolScorer
+        from rlhf.scoring import PoolScorer
 
         self.scorer = PoolScorer(cfg.functions, tokenizer=AutoTokenizer.from_pretrained(tokenizer_path),
                                  timeout_s=cfg.timeout_s, num_workers=cfg.num_workers,
@@ -56,7 +56,7 @@ class RayRewardScorer:
               ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scored in the actor; a reward that failed on too many samples gets its line on the
         driver's terminal here (the actor's own stdout goes to its log)."""
-        from rlhf.evaluate import print_lines
+        from rlhf.scoring import print_lines
 
         rewards, metrics, warnings = gather([self.actor.score.remote(list(rows), list(token_ids))],
                                             ["reward worker"], "reward")[0]

@@ -548,7 +548,7 @@ def _worker_finish_update(worker: Any) -> None:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-    from actors.console import TIED_LM_HEAD, silence_harmless_warnings
+    from actors.worker_setup import TIED_LM_HEAD, silence_harmless_warnings
 
     model = worker.get_model()
     if getattr(worker.model_config.hf_config, "tie_word_embeddings", False):

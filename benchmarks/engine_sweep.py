@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.recipe) == bool(args.workload):
         p.error("give one of --recipe and --workload")
 
-    import torch
     from transformers import AutoTokenizer
 
+    from actors.device import detect, gpu_identity
     from actors.vllm_generator import VLLMGenerator, engine_settings
     from benchmarks.sidecommon import load_run_config
     from benchmarks.workloads import grpo_step_prompts
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
     from rlhf.types import SamplingSpec
 
     recipe, shared = args.recipe, list(args.overrides)
@@ -91,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
                 del out
         finally:
             gen.shutdown()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            detect().empty_cache()
         timed = [c["tok_s"] for c in calls[1:]] or [calls[0]["tok_s"]]
         row = {"variant": name, "sets": sets, "overrides": args.overrides, "startup_s": startup,
                "median_tok_s": statistics.median(timed), "calls": calls,
                "settings": engine_settings(model_path, g, on_cpu=False),
-               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "device": (gpu_identity() or ("cpu",))[0],
                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
         rows.append(row)
         Path(args.results).parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ def generate(args: Any, record: dict[str, Any]) -> None:
 
     from actors.vllm_generator import VLLMGenerator
     from benchmarks.workloads import grpo_step_prompts
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
     from rlhf.types import SamplingSpec
 
     cfg = load_run_config(args.recipe, args.overrides)

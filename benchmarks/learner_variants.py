@@ -47,7 +47,7 @@ def completion_logprobs(model, hidden: torch.Tensor, targets: torch.Tensor) -> t
 
 
 def loss_full(model, batch) -> torch.Tensor:
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     _, _, ids, attn, loss_mask = batch
     logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.bfloat16)

@@ -12,14 +12,14 @@ arithmetic prompts, 64 prompts x 8 samples, 256 tokens with ignore_eos, dense re
 Choices:
 1. No memory key is passed unless it defines the configuration. The recipe,
    configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml, sets only `learner.backend`; the workload's
-   overrides lose every key of `rlhf.planner.PLAN_KEYS` (`our_overrides` sets the micro-batch); each
+   overrides lose every key of `rlhf.planner.memory.PLAN_KEYS` (`our_overrides` sets the micro-batch); each
    configuration adds its placement, backend, ZeRO stage and ranks, pinned on purpose
    (`check_overrides` refuses any other pinned memory key). The plan chooses the rest: micro-batch
    token budget, checkpointing, `reshard_after_forward`, offload, vLLM's `gpu_memory_utilization`.
 2. `memory.gpu` is the kind of the run's GPU, named from nvidia-smi (this process never touches
    CUDA: a context of its own would sit on the GPU it measures; the models are built by a child
    process for the same reason); an unknown GPU plans as `h100-80gb` with its own memory.
-3. Predicted: `rlhf.planner.breakdown` of the config the run used (its `<output_dir>/config.yaml`:
+3. Predicted: `rlhf.planner.memory.breakdown` of the config the run used (its `<output_dir>/config.yaml`:
    the applied plan, the settled dtype). Measured: the largest `memory/learner_peak_gib` of any
    step (torch.cuda.max_memory_allocated, max over ranks, reset every step). Target: within +-10%
    on at least four configurations. nvidia-smi's peak of the learner GPUs (sampled every second)
@@ -45,7 +45,7 @@ Choices:
    planner does not model host memory.
 7. `--tiny` runs every configuration with the tiny random Qwen2 on CPU, planned for an H100:
    `memory.gpu` names a kind, so the launch plans and applies it without looking at the device
-   (actors/launch.py::with_memory_plan; `auto` would plan nothing on CPU). The learner peak on CPU
+   (scripts/launch.py::with_memory_plan; `auto` would plan nothing on CPU). The learner peak on CPU
    is the resident-set high-water mark, so the verdict reads n/a.
 
 Output per configuration: the planned `key=value` lines, predicted and measured learner peak, their
@@ -85,8 +85,8 @@ from benchmarks.scale import last_line, layout_steps, name_list, run_cluster, su
 from benchmarks.summary import format_value  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
 from rlhf.config import RunConfig, config_from_dict, explicit_keys, load_config  # noqa: E402
-from rlhf.planner import GPU_KINDS, PLAN_KEYS, breakdown, gpu_kind, gpu_kind_of_device  # noqa: E402
-from rlhf.planner import learner_seconds, make_plan, model_shape, shape_from_config  # noqa: E402
+from rlhf.planner.memory import GPU_KINDS, PLAN_KEYS, breakdown, gpu_kind, gpu_kind_of_device  # noqa: E402
+from rlhf.planner.memory import learner_seconds, make_plan, model_shape, shape_from_config  # noqa: E402
 
 RECIPE = "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
 WORKLOAD = replace(WORKLOADS["grpo-gpu-scale"], name="plan-check", recipe=RECIPE, steps=3, micro_batch_size=0,
@@ -458,7 +458,7 @@ def hub_id(model: str) -> str | None:
 
 def plan_fits(w: Workload, check: Check, gpu: list[str], on_gpu: bool) -> bool:
     """Whether the launch will find a plan for this configuration, from the model's shape alone
-    (the same arithmetic as actors/launch.py::with_memory_plan; the tiny model always fits)."""
+    (the same arithmetic as scripts/launch.py::with_memory_plan; the tiny model always fits)."""
     if w.model not in SHAPES:
         return True
     overrides = check_overrides(w, check, output_dir="unused", model_path=hub_id(w.model), gpu=gpu, on_gpu=on_gpu)

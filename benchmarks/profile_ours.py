@@ -59,10 +59,10 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
     from actors.vllm_generator import VLLMGenerator
     from benchmarks.workloads import grpo_step_prompts
     from rewards.api import combine
-    from rlhf.advantages import grpo_advantages
-    from rlhf.batching import rollouts_to_batch
-    from rlhf.evaluate import decode_completions
-    from rlhf.objectives import GRPOObjective
+    from rlhf.algo.advantages import grpo_advantages
+    from rlhf.algo.objectives import GRPOObjective
+    from rlhf.data.batching import rollouts_to_batch
+    from rlhf.scoring import decode_completions
     from rlhf.types import RolloutBatch, SamplingSpec
 
     steps = grpo_step_prompts(cfg, tokenizer)[:2]
@@ -109,11 +109,11 @@ def profile_grpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: 
 
 
 def profile_dpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: dict[str, Any]) -> None:
-    from rlhf.batching import pairs_to_batch
-    from rlhf.data import PromptStream
+    from rlhf.algo.objectives import DPOObjective
+    from rlhf.data.batching import pairs_to_batch
+    from rlhf.data.preferences import load_preference_data
+    from rlhf.data.prompts import PromptStream
     from rlhf.dpo import needs_reference_model
-    from rlhf.objectives import DPOObjective
-    from rlhf.preference_data import load_preference_data
 
     data = load_preference_data(cfg, tokenizer)
     stream = PromptStream(data.train, seed=cfg.seed)
@@ -146,7 +146,7 @@ def profile(args: Any, record: dict[str, Any]) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     cfg = load_run_config(args.recipe, args.overrides)
     model_path = resolve_model_path(cfg.model.path)

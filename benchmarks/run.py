@@ -254,8 +254,8 @@ def step_prompt_tokens(w: Workload, overrides: list[str]) -> list[int]:
     from transformers import AutoTokenizer
 
     from benchmarks.workloads import grpo_step_prompts
-    from rlhf.assets import resolve_model_path
     from rlhf.config import load_config
+    from rlhf.data.assets import resolve_model_path
 
     cfg = load_config(REPO / w.recipe, overrides)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))

@@ -27,9 +27,7 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
 
     Rows are matched to our tokenized pairs one by one (rows our loader skipped or dropped are
     skipped here too), then ordered by the epoch-shuffled stream `rlhf.dpo.run_dpo` takes them from."""
-    from rlhf.data import PromptStream
-    from rlhf.dpo import dpo_steps
-    from rlhf.preference_data import (
+    from rlhf.data.preferences import (
         MalformedRow,
         _load_records,
         fit_length,
@@ -37,6 +35,8 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
         parse_row,
         tokenize_row,
     )
+    from rlhf.data.prompts import PromptStream
+    from rlhf.dpo import dpo_steps
 
     data = load_preference_data(cfg, tokenizer)
     records, _ = _load_records(cfg, "train")
@@ -71,7 +71,7 @@ def train(args: Any, record: dict[str, Any]) -> None:
     from trl import DPOConfig, DPOTrainer
 
     from benchmarks.workloads import trl_dpo_kwargs
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     cfg = load_run_config(args.recipe, args.overrides)
     if not cfg.data.use_chat_template:

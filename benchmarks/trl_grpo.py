@@ -79,7 +79,7 @@ def train(args: Any, record: dict[str, Any]) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.workloads import trl_grpo_kwargs
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     cfg = load_run_config(args.recipe, args.overrides)
     model_path = resolve_model_path(cfg.model.path)

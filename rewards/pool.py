@@ -31,7 +31,7 @@ Choices:
    and counted and async functions still time out, but a plain function that hangs hangs the caller.
 7. After each `score`, `warnings` holds one line per function that failed or timed out on more
    than `warn_failed_frac` of the samples (`reward.warn_failed_frac`), naming the function, the
-   count and the cause; the caller prints it (rlhf.evaluate.PoolScorer, actors.reward_worker).
+   count and the cause; the caller prints it (rlhf.scoring.PoolScorer, actors.reward_worker).
 """
 
 from __future__ import annotations

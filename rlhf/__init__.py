@@ -13,22 +13,22 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     # algorithm math
-    "grpo_advantages": "rlhf.advantages",
-    "grpo_policy_loss": "rlhf.losses",
-    "kl_estimate": "rlhf.losses",
-    "dpo_loss": "rlhf.losses",
-    "simpo_loss": "rlhf.losses",
-    "token_logprobs": "rlhf.logprobs",
-    "sequence_logprobs": "rlhf.logprobs",
-    "packed_token_logprobs": "rlhf.logprobs",
-    "pack_sequences": "rlhf.logprobs",
-    "entropy_from_logits": "rlhf.logprobs",
-    "unpack": "rlhf.logprobs",
-    "aggregate_token_loss": "rlhf.losses",
+    "grpo_advantages": "rlhf.algo.advantages",
+    "grpo_policy_loss": "rlhf.algo.losses",
+    "kl_estimate": "rlhf.algo.losses",
+    "dpo_loss": "rlhf.algo.losses",
+    "simpo_loss": "rlhf.algo.losses",
+    "token_logprobs": "rlhf.algo.logprobs",
+    "sequence_logprobs": "rlhf.algo.logprobs",
+    "packed_token_logprobs": "rlhf.algo.logprobs",
+    "pack_sequences": "rlhf.algo.logprobs",
+    "entropy_from_logits": "rlhf.algo.logprobs",
+    "unpack": "rlhf.algo.logprobs",
+    "aggregate_token_loss": "rlhf.algo.losses",
     "PreferenceBatch": "rlhf.types",
-    "reduce_metrics": "rlhf.objectives",
-    "GRPOObjective": "rlhf.objectives",
-    "DPOObjective": "rlhf.objectives",
+    "reduce_metrics": "rlhf.algo.objectives",
+    "GRPOObjective": "rlhf.algo.objectives",
+    "DPOObjective": "rlhf.algo.objectives",
     # config
     "RunConfig": "rlhf.config",
     "ConfigError": "rlhf.config",
@@ -58,11 +58,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
-    from rlhf.advantages import grpo_advantages
+    from rlhf.algo.advantages import grpo_advantages
+    from rlhf.algo.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs,
+                                    sequence_logprobs, token_logprobs, unpack)
+    from rlhf.algo.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
+    from rlhf.algo.objectives import DPOObjective, GRPOObjective, reduce_metrics
     from rlhf.config import ConfigError, RunConfig, load_config
     from rlhf.grpo import run_grpo
-    from rlhf.logprobs import (entropy_from_logits, pack_sequences, packed_token_logprobs, sequence_logprobs,
-                               token_logprobs, unpack)
-    from rlhf.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
-    from rlhf.objectives import DPOObjective, GRPOObjective, reduce_metrics
     from rlhf.types import Completion, PreferenceBatch, PromptRow, SamplingSpec, TrainBatch

@@ -207,7 +207,7 @@ class LearnerConfig:
     the whole model's compute-dtype copy more on every rank."""
     fused_head: bool = True
     """LM head and log-softmax fused, chunk by chunk in forward and backward: [tokens x vocab] logits
-    never exist (rlhf.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
+    never exist (rlhf.algo.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
     Applies to padded micro-batches (not with share_prompts or pack_sequences)."""
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids,

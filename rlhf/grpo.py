@@ -21,12 +21,12 @@ Algorithmic choices (each a config key):
    every sample for `reward.max_failed_steps` steps in a row stops the run (`RewardFailure`).
    An update whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
    of them in a row, or weights that became NaN/inf, stop the run before anything is synced or
-   saved (`rlhf.metrics.TrainHealth`).
+   saved (`rlhf.run.metrics.TrainHealth`).
 8. Rollouts come from a queue (rlhf.rollouts): with `grpo.max_staleness=s > 0` the engines
    generate step k+s while the learners train on step k (asynchronous GRPO), and the loop waits
    for them before pushing weights. The overlap is only in that schedule; each step still reads
    generate, reward, train, sync. Stale samples are corrected by importance weights
-   (`grpo.is_correction`, rlhf.losses point 5); `async/staleness` logs the lag. Colocated on a
+   (`grpo.is_correction`, rlhf.algo.losses point 5); `async/staleness` logs the lag. Colocated on a
    GPU, the engines sleep while the learners train, so there the overlap is nil.
 """
 
@@ -37,18 +37,18 @@ from typing import Any
 
 import torch
 
-from rlhf.advantages import grpo_advantages
-from rlhf.batching import rollouts_to_batch
-from rlhf.checkpoint import resume, save_checkpoint
+from rlhf.algo.advantages import grpo_advantages
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
-from rlhf.data import PromptStream
+from rlhf.data.batching import rollouts_to_batch
+from rlhf.data.prompts import PromptStream
 from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
-from rlhf.metrics import MetricsLogger, PhaseTimer, TrainHealth
-from rlhf.objectives import GRPOObjective
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
 from rlhf.rules import scores_reference
+from rlhf.run.checkpoint import resume, save_checkpoint
+from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 

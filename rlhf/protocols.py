@@ -15,7 +15,7 @@ from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics, 
 
 # A training objective: (token log-probs [B, T] of the current policy, the micro-batch (a
 # TrainBatch for GRPO, a PreferenceBatch for DPO), the denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
-# It is a picklable callable (a frozen dataclass in rlhf.objectives) so it crosses process borders.
+# It is a picklable callable (a frozen dataclass in rlhf.algo.objectives) so it crosses process borders.
 Objective = Callable[[torch.Tensor, Batch, float], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -104,7 +104,7 @@ class RewardScorer(Protocol):
     """Scores completions with the configured reward functions (off the learners).
 
     Completions arrive as token ids and become text here, the only place that needs it: one
-    batched `rlhf.evaluate.decode_completions` per call, so every generator backend hands the
+    batched `rlhf.scoring.decode_completions` per call, so every generator backend hands the
     reward functions the same strings."""
 
     def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.data import PromptStream
+from rlhf.data.prompts import PromptStream
 from rlhf.protocols import Generator, PendingGeneration
 from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec
 

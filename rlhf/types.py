@@ -68,7 +68,7 @@ class SamplingSpec:
 class Completion:
     """One sampled completion, as token ids only: generators never decode (vLLM skips its
     incremental detokenizer); the reward scorer decodes a step's completions once, in one batch
-    (`rlhf.evaluate.decode_completions`), where text is needed.
+    (`rlhf.scoring.decode_completions`), where text is needed.
 
     token_ids: the generated token ids, EOS included when the model stopped on it.
     logprobs:  the sampler's log-prob of each generated token (same length as token_ids);

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from actors.launch import with_compute_dtype  # noqa: E402
 from rlhf.config import ConfigError, load_config  # noqa: E402
-from rlhf.model_folder import check_model_files  # noqa: E402
+from rlhf.data.model_folder import check_model_files  # noqa: E402
+from scripts.launch import with_compute_dtype  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def model_folder(name_or_path: str) -> str:
     """A loadable folder: a checkpoint `step_N/` means its `model/`; built-in names resolve as in training."""
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     path = Path(name_or_path)
     if (path / "model" / "config.json").is_file():
@@ -73,7 +73,8 @@ def prepare(cfg, model: str):
     """What can fail on bad input, before the engine starts: the prompts and the correctness checker."""
     from transformers import AutoTokenizer
 
-    from rlhf.evaluate import PoolScorer, load_eval_set
+    from rlhf.evaluate import load_eval_set
+    from rlhf.scoring import PoolScorer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     return load_eval_set(cfg, tokenizer), PoolScorer.correctness(cfg, tokenizer)
@@ -83,7 +84,8 @@ def run(cfg, model: str, eval_set, scorer, *, out: Path, config_path: str) -> No
     from actors.actor_group import load_class
     from actors.cluster import GENERATORS
     from rlhf.config import config_to_dict
-    from rlhf.evaluate import correctness_spec, eval_sampling, evaluate, format_table, report, write_report
+    from rlhf.evaluate import eval_sampling, evaluate, format_table, report, write_report
+    from rlhf.scoring import correctness_spec
 
     start = time.perf_counter()
     try:

@@ -58,4 +58,4 @@ else
   echo "$stamp_now" > "$stamp_file"
 fi
 
-"$VENV/bin/python" -m rlhf.assets fetch
+"$VENV/bin/python" -m rlhf.data.assets fetch

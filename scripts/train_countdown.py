@@ -10,8 +10,11 @@ train_grpo.py.
 """
 
 import sys
+from pathlib import Path
 
-from train_grpo import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from scripts.train_grpo import main  # noqa: E402
 
 RECIPES = {
     ("countdown", "gpu"): "configs/grpo_countdown_qwen2.5-1.5b_1gpu.yaml",

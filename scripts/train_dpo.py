@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from actors.launch import cli  # noqa: E402
+from scripts.launch import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +31,11 @@ def prepare_run(cfg):
     a resume fits its checkpoint."""
     from transformers import AutoTokenizer
 
-    from rlhf.assets import resolve_model_path
-    from rlhf.data import PromptStream
-    from rlhf.model_folder import check_context, check_model_files
-    from rlhf.preference_data import load_preference_data
-    from rlhf.run_folder import check_resume
+    from rlhf.data.assets import resolve_model_path
+    from rlhf.data.model_folder import check_context, check_model_files
+    from rlhf.data.preferences import load_preference_data
+    from rlhf.data.prompts import PromptStream
+    from rlhf.run.folder import check_resume
 
     model_path = resolve_model_path(cfg.model.path)
     check_model_files(model_path)
@@ -50,9 +50,9 @@ def prepare_run(cfg):
 
 def run(cfg, model_path: str, tokenizer, data) -> None:
     from actors.cluster import build_learner_cluster
-    from actors.launch import ray_session
     from rlhf.dpo import run_dpo
-    from rlhf.plots import plot_metrics
+    from rlhf.run.plots import plot_metrics
+    from scripts.launch import ray_session
 
     with ray_session(cfg) as out:
         cluster = build_learner_cluster(cfg, model_path)

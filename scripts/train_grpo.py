@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from actors.launch import cli  # noqa: E402
+from scripts.launch import cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,10 +30,10 @@ def prepare_run(cfg):
     from transformers import AutoTokenizer
 
     from rewards import load_reward_fn
-    from rlhf.assets import resolve_model_path
-    from rlhf.data import PromptStream, load_prompts, tokenize_prompts
-    from rlhf.model_folder import check_context, check_model_files
-    from rlhf.run_folder import check_resume
+    from rlhf.data.assets import resolve_model_path
+    from rlhf.data.model_folder import check_context, check_model_files
+    from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.run.folder import check_resume
 
     for fn in cfg.reward.functions:
         load_reward_fn(fn.function)
@@ -51,9 +51,9 @@ def prepare_run(cfg):
 
 def run(cfg, model_path: str, tokenizer, prompts) -> None:
     from actors.cluster import build_cluster
-    from actors.launch import ray_session
     from rlhf.grpo import run_grpo
-    from rlhf.plots import plot_metrics
+    from rlhf.run.plots import plot_metrics
+    from scripts.launch import ray_session
 
     with ray_session(cfg) as out:
         cluster = build_cluster(cfg, model_path)

@@ -8,8 +8,11 @@ Every recipe is configs/grpo_math_*.yaml; `--config` and key=value overrides wor
 """
 
 import sys
+from pathlib import Path
 
-from train_grpo import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from scripts.train_grpo import main  # noqa: E402
 
 RECIPES = {"gpu": "configs/grpo_math_qwen2.5-1.5b_1gpu.yaml", "cpu": "configs/grpo_math_smollm2_cpu.yaml"}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Checkpoints are signed with a per-user key (rlhf.signing): the tests, and the runs they start as
+# Checkpoints are signed with a per-user key (rlhf.run.signing): the tests, and the runs they start as
 # subprocesses, use one of their own instead of creating the user's ~/.config/rlhf/checkpoint.key.
 if "RLHF_KEY_DIR" not in os.environ:
     import tempfile
@@ -29,14 +29,14 @@ collect_ignore = [] if _has_gpu() else ["gpu"]
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    from rlhf.models import build_tiny_model
+    from rlhf.data.tiny_models import build_tiny_model
 
     return build_tiny_model("tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    from rlhf.models import build_tiny_model
+    from rlhf.data.tiny_models import build_tiny_model
 
     return build_tiny_model("tiny-llama", tmp_path_factory.mktemp("tiny-llama"))
 

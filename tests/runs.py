@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from rlhf.checkpoint import MANIFEST, checkpoint_root
+from rlhf.run.checkpoint import MANIFEST, checkpoint_root
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf.advantages import grpo_advantages
+from rlhf.algo.advantages import grpo_advantages
 
 
 def test_two_groups_of_four_hand_computed():

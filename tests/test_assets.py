@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf import assets
+from rlhf.data import assets
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -15,7 +15,8 @@ SMOLLM2 = "smollm2-135m-instruct"
 def smollm2_dir():
     folder = assets.model_dir(SMOLLM2)
     if not assets.is_fetched(folder):
-        pytest.fail(f"{folder} is missing: run `bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
+        pytest.fail(f"{folder} is missing: run `bash scripts/setup.sh` "
+                    "(or `python -m rlhf.data.assets fetch`)")
     return folder
 
 
@@ -45,7 +46,7 @@ def test_smollm2_answers_a_sum_greedily(smollm2_dir):
 def test_resolve_model_path(smollm2_dir, monkeypatch, tmp_path):
     assert assets.resolve_model_path(SMOLLM2) == str(smollm2_dir)
     assert assets.resolve_model_path("some/folder") == "some/folder"
-    from rlhf import models
+    from rlhf.data import tiny_models as models
 
     built = []
     monkeypatch.setattr(models, "build_tiny_model", lambda name, out: built.append((name, out)) or out)
@@ -77,7 +78,7 @@ def test_unreachable_registry_is_one_clear_line(tmp_path, monkeypatch):
         assets.fetch(["game24"])
     msg = str(err.value)
     assert "\n" not in msg and "could not download tree-of-thoughts-llm==0.1.0" in msg
-    assert "re-run `python -m rlhf.assets fetch`" in msg
+    assert "re-run `python -m rlhf.data.assets fetch`" in msg
     assert not (tmp_path / "data" / "game24.csv").exists()
 
 

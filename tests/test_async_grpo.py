@@ -19,12 +19,12 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rlhf.algo.losses import grpo_policy_loss, importance_weights
+from rlhf.algo.objectives import GRPOObjective, reduce_metrics
 from rlhf.config import load_config
-from rlhf.data import PromptStream
-from rlhf.losses import grpo_policy_loss, importance_weights
-from rlhf.metrics import read_metrics
-from rlhf.objectives import GRPOObjective, reduce_metrics
+from rlhf.data.prompts import PromptStream
 from rlhf.rollouts import Finished, RolloutQueue
+from rlhf.run.metrics import read_metrics
 from rlhf.types import Completion, PromptRow, TrainBatch
 from tests.runs import run_training
 

@@ -78,7 +78,7 @@ def _broken_models(d: Path) -> list[str]:
     """Copies of the tiny model's folder, each missing something a model folder needs."""
     import shutil
 
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
 
     tiny = Path(resolve_model_path("tiny-qwen2"))
     broken = {"model_without_weights": ["model.safetensors"], "model_without_tokenizer": ["tokenizer.json"],
@@ -259,7 +259,7 @@ def test_bad_input_is_one_line_and_exit_2_before_ray(case, files, capsys, monkey
 def test_damaged_checkpoint_is_one_line_before_ray(tmp_path, capsys, monkeypatch):
     import ray
 
-    from rlhf.checkpoint import save_checkpoint
+    from rlhf.run.checkpoint import save_checkpoint
     from test_checkpoint_integrity import FakeLearners
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
@@ -267,9 +267,9 @@ def test_damaged_checkpoint_is_one_line_before_ray(tmp_path, capsys, monkeypatch
     save_checkpoint(tmp_path, 1, FakeLearners(), {"prompts": {}})
     second = save_checkpoint(tmp_path, 2, FakeLearners(), {"prompts": {}})
     (second / "train_state" / "__1_0.distcp").unlink()
-    import rlhf.checkpoint
+    import rlhf.run.checkpoint
 
-    rlhf.checkpoint._verified.clear()
+    rlhf.run.checkpoint._verified.clear()
     code = _script("train_grpo").main([*TINY_GRPO, f"output_dir={tmp_path}", "resume=true"])
     lines = capsys.readouterr().err.splitlines()
     assert code == 2 and len(lines) == 1

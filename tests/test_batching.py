@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf.batching import micro_batch_items, micro_batches, pairs_to_batch
-from rlhf.objectives import DPOObjective, GRPOObjective
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
+from rlhf.data.batching import micro_batch_items, micro_batches, pairs_to_batch
 from rlhf.types import PreferencePair, TrainBatch
 
 
@@ -58,7 +58,7 @@ def test_token_budget_keeps_pairs_together():
 
 def _grads(model, batch, parts, objective) -> tuple[float, dict[str, torch.Tensor]]:
     """Accumulate the loss of every micro-batch (normalised by the whole batch's units), as the learners do."""
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     model.zero_grad()
     denominator = float(objective.num_units(batch))

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.checkpoint import (CheckpointError, checkpoint_to_resume, latest_checkpoint, load_checkpoint,
-                             save_checkpoint)
+from rlhf.run.checkpoint import (CheckpointError, checkpoint_to_resume, latest_checkpoint, load_checkpoint,
+                                 save_checkpoint)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def private_key(tmp_path, monkeypatch):
-    """This test's own signing key (rlhf.signing), never the user's; subprocesses inherit it."""
+    """This test's own signing key (rlhf.run.signing), never the user's; subprocesses inherit it."""
     monkeypatch.setenv("RLHF_KEY_DIR", str(tmp_path / "key"))
 
 
@@ -49,9 +49,9 @@ def two_checkpoints(out: Path) -> tuple[Path, Path]:
 
 def fresh(path: Path) -> Path:
     """The same folder under a new Path object: a check made in another process (the resume)."""
-    import rlhf.checkpoint
+    import rlhf.run.checkpoint
 
-    rlhf.checkpoint._verified.clear()
+    rlhf.run.checkpoint._verified.clear()
     return path
 
 
@@ -85,7 +85,7 @@ def test_save_killed_at_any_point_leaves_the_previous_checkpoint(tmp_path, point
         "from pathlib import Path",
         f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]",
         "from test_checkpoint_integrity import FakeLearners",
-        "from rlhf.checkpoint import save_checkpoint",
+        "from rlhf.run.checkpoint import save_checkpoint",
         "def die(): os.kill(os.getpid(), signal.SIGKILL)",
         f"save_checkpoint({str(tmp_path)!r}, 1, FakeLearners(b'a'), {{'prompts': {{'cursor': 1}}}})",
         KILL_POINTS[point],

@@ -28,13 +28,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import rlhf.checkpoint as ckpt
-from rlhf import signing
-from rlhf.checkpoint import (CheckpointError, CheckpointSaveError, UntrustedCheckpoint, checkpoint_to_resume,
-                             complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint)
+import rlhf.run.checkpoint as ckpt
 from rlhf.config import ConfigError, load_config
 from rlhf.errors import RunError
-from rlhf.planner import model_shape
+from rlhf.planner.memory import model_shape
+from rlhf.run import signing
+from rlhf.run.checkpoint import (CheckpointError, CheckpointSaveError, UntrustedCheckpoint,
+                                 checkpoint_to_resume, complete_checkpoints, latest_checkpoint,
+                                 load_checkpoint, save_checkpoint)
 from rlhf.types import Completion, PromptRow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +152,7 @@ def test_planted_pickle_is_refused_before_anything_loads(tmp_path, where, how):
         checkpoint_to_resume(tmp_path / "run", True)
     line = str(err.value)
     assert "\n" not in line and line.startswith(str(path))
-    assert str(signing.key_path()) in line and f"python -m rlhf.signing {path}" in line
+    assert str(signing.key_path()) in line and f"python -m rlhf.run.signing {path}" in line
     learners = Learners(backend)
     with pytest.raises(UntrustedCheckpoint):  # loading it directly verifies too
         load_checkpoint(path, learners)
@@ -442,8 +443,8 @@ def test_other_failures_keep_the_export_and_raise_as_they_were(tmp_path, capsys)
 
 
 def _learner_rank(backend: str, lora: int, model_path: str, out: str, key_dir: str) -> None:
+    from rlhf.algo.objectives import GRPOObjective
     from rlhf.config import GRPOConfig, LearnerConfig, ModelConfig
-    from rlhf.objectives import GRPOObjective
     from tests.test_fsdp2_learner import make_batch
 
     os.environ["RLHF_KEY_DIR"] = key_dir

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.console import (HARMLESS, TIED_LM_HEAD, collect_ray_logs, driver_logs_to_file, ray_init_kwargs,
-                            silence_harmless_warnings)
+from actors.worker_setup import HARMLESS, TIED_LM_HEAD, silence_harmless_warnings
 from rlhf.config import ConfigError, load_config
-from rlhf.metrics import read_metrics
+from rlhf.run.metrics import read_metrics
+from scripts.console import collect_ray_logs, driver_logs_to_file, ray_init_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,7 +126,7 @@ def test_missing_tracker_fails_before_ray_starts(tmp_path, monkeypatch):
 
     import ray
 
-    from actors.launch import ray_session
+    from scripts.launch import ray_session
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

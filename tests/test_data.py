@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import assets, data
 from rlhf.config import DataConfig
-from rlhf.data import PromptStream, last_boxed, load_prompts, render_prompt, tokenize_prompts
+from rlhf.data import assets
+from rlhf.data import prompts as data
+from rlhf.data.prompts import PromptStream, last_boxed, load_prompts, render_prompt, tokenize_prompts
 from rlhf.types import PromptRow
 
 SAMPLES = Path(__file__).parent / "data"
@@ -348,7 +349,7 @@ def test_bad_local_files_say_what_is_wrong(tmp_path):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rlhf.models import build_tokenizer
+    from rlhf.data.tiny_models import build_tokenizer
 
     return build_tokenizer()
 
@@ -365,7 +366,7 @@ def test_render_prompt_chat_template_system_prompt_and_raw(tokenizer):
 
 
 def test_render_prompt_without_a_chat_template_says_how_to_proceed():
-    from rlhf.models import build_tokenizer
+    from rlhf.data.tiny_models import build_tokenizer
 
     plain = build_tokenizer()
     plain.chat_template = None

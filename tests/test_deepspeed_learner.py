@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf.batching import shard_for_rank
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.objectives import DPOObjective, GRPOObjective
+from rlhf.data.batching import shard_for_rank
 from rlhf.types import PreferenceBatch, TrainBatch
 
 # warmup_steps=3: steps run at lr/3, 2lr/3, lr, so a checkpoint that loses the scheduler's position
@@ -66,7 +66,7 @@ def dpo_batch(vocab: int, model) -> PreferenceBatch:
 
 
 def _logprobs(model, batch) -> torch.Tensor:
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     return token_logprobs(logits.float(), batch.input_ids, batch.loss_mask)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from rlhf.batching import even_shards
 from rlhf.config import ConfigError, load_config
+from rlhf.data.batching import even_shards
 from rlhf.types import Completion, SamplingSpec
 
 # ------------------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_the_planner_counts_the_engines_the_cluster_builds():
     """One rule (rlhf.rules.engine_count) for the cluster and the planner: colocated `auto` is capped
     by the step's prompt groups and divides the ranks (the planner's own copy had said one engine
     per rank); split with pinned ranks gets every GPU they leave (it had said one engine)."""
-    from rlhf.planner import engines
+    from rlhf.planner.memory import engines
     from rlhf.rules import engine_count
 
     capped = _cfg("learner.num_ranks=8", "grpo.prompts_per_step=6")

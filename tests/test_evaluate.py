@@ -16,11 +16,12 @@ import pytest
 import yaml
 
 from rlhf.config import RewardFnConfig, load_config
-from rlhf.data import PromptStream, load_prompts, tokenize_prompts
-from rlhf.evaluate import (EvalSet, PoolScorer, correctness_spec, eval_sampling, evaluate, format_table,
-                           load_eval_set, pass_at_k, report, task_label)
-from rlhf.metrics import read_metrics
-from rlhf.models import build_tokenizer
+from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+from rlhf.data.tiny_models import build_tokenizer
+from rlhf.evaluate import (EvalSet, eval_sampling, evaluate, format_table, load_eval_set, pass_at_k, report,
+                           task_label)
+from rlhf.run.metrics import read_metrics
+from rlhf.scoring import PoolScorer, correctness_spec
 from rlhf.types import Completion, PromptRow, SamplingSpec, StepMetrics
 from tests.runs import private_ray_env
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.checkpoint import MANIFEST, checkpoint_root, save_checkpoint
 from rlhf.config import load_config
+from rlhf.run.checkpoint import MANIFEST, checkpoint_root, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GRPO = ["--config", "configs/grpo_tiny_cpu.yaml"]
@@ -83,8 +83,8 @@ def earlier_run(out: Path, steps: int = 3, checkpoint: bool = True, overrides: t
     """What a finished GRPO run of the tiny recipe leaves in `out`: config.yaml, metrics.jsonl,
     logs/, and (with `checkpoint`) a checkpoint of its last step whose data state is that of the
     recipe's prompts, so that resume=true with the same settings fits it."""
-    from actors.launch import write_run_config
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
+    from scripts.launch import write_run_config
 
     cfg = load_config(ROOT / "configs/grpo_tiny_cpu.yaml", [f"output_dir={out}", *overrides])
     (out / "logs").mkdir(parents=True)
@@ -214,8 +214,8 @@ def test_a_resume_that_does_not_fit_its_checkpoint_is_one_line_naming_what_diffe
 
 def _cli(tmp_path: Path, run, *overrides: str) -> int:
     """The entry scripts' cli with the tiny recipe, `run` in place of the real one."""
-    from actors.launch import cli
-    from rlhf.assets import resolve_model_path
+    from rlhf.data.assets import resolve_model_path
+    from scripts.launch import cli
 
     try:
         return cli("doc", "configs/grpo_tiny_cpu.yaml", "grpo", [f"output_dir={tmp_path}", *overrides],
@@ -255,7 +255,7 @@ def test_ctrl_c_before_any_checkpoint_says_to_start_again_with_overwrite(tmp_pat
 
 
 def test_ctrl_c_before_the_run_starts_is_one_line(tmp_path, monkeypatch, capsys):
-    from actors.launch import cli
+    from scripts.launch import cli
 
     def interrupted(cfg):
         raise KeyboardInterrupt
@@ -282,13 +282,13 @@ def test_a_run_error_is_one_line_and_its_traceback_goes_to_the_log(tmp_path, mon
 
 
 def test_a_failing_log_copy_never_replaces_the_error_the_run_ends_with(tmp_path, monkeypatch, capsys):
-    """ray_session's finally copies Ray's logs (actors/console.py); on a full disk that copy raises.
+    """ray_session's finally copies Ray's logs (scripts/console.py); on a full disk that copy raises.
     The run's own error must still be what propagates, and the copy's failure one warning line."""
     import ray
 
-    import actors.console
-    from actors.launch import ray_session
+    import scripts.console
     from rlhf.errors import RunError
+    from scripts.launch import ray_session
 
     class Context:
         address_info = {"session_dir": str(tmp_path / "session")}
@@ -298,7 +298,7 @@ def test_a_failing_log_copy_never_replaces_the_error_the_run_ends_with(tmp_path,
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: Context())
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(actors.console, "collect_ray_logs", disk_full)
+    monkeypatch.setattr(scripts.console, "collect_ray_logs", disk_full)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(ROOT / "configs/grpo_tiny_cpu.yaml", [f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(RunError, match="the learners stopped"):

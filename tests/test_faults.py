@@ -116,8 +116,8 @@ def test_vllm_compile_caches_are_kept_apart_per_cpu_capability(tmp_path):
 
 def test_the_settled_dtype_is_printed_once_and_is_what_actors_see(monkeypatch, capsys):
     import actors.device
-    from actors.launch import with_compute_dtype
     from rlhf.config import load_config
+    from scripts.launch import with_compute_dtype
 
     monkeypatch.setattr(actors.device, "cpu_bf16", lambda: (False, "ATen AVX2, oneDNN bf16 off"))
     monkeypatch.setattr(actors.device, "detect", lambda: actors.device.CpuDevice())
@@ -221,7 +221,7 @@ def kill_actor(proc: subprocess.Popen, title: str, ready) -> float:
 
 
 def newer_checkpoint(out: Path, than: int):
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.run.checkpoint import latest_checkpoint
 
     def ready() -> bool:
         path = latest_checkpoint(out)
@@ -241,7 +241,7 @@ def reference(tmp_path_factory) -> Path:
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_reward_faults_are_counted_exactly_and_the_run_finishes(reference):
-    from rlhf.metrics import read_metrics
+    from rlhf.run.metrics import read_metrics
 
     records = read_metrics(reference / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
@@ -260,7 +260,7 @@ def test_killed_actors_end_the_run_with_one_line_and_resume_continues_exactly(re
     checkpoint; each run exits 1 within cluster.timeout_s naming the actor and the checkpoint.
     Then the latest checkpoint is damaged: resume=true refuses it (exit 2, before Ray), and
     resume=previous continues from the one before into the uninterrupted run's metrics."""
-    from rlhf.metrics import read_metrics
+    from rlhf.run.metrics import read_metrics
 
     out = tmp_path / "run"
     for n, (title, actor) in enumerate([("ray::FSDP2Learner", "learner rank"), ("ray::VLLMGenerator", "engine 0"),
@@ -273,7 +273,7 @@ def test_killed_actors_end_the_run_with_one_line_and_resume_continues_exactly(re
         assert match and match["actor"].startswith(actor), last
         assert Path(match["ckpt"]).name >= f"step_{n + 1:06d}", last
 
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.run.checkpoint import latest_checkpoint
 
     latest = latest_checkpoint(out)
     shard = sorted((latest / "train_state").glob("*.distcp"))[0]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlhf.flops import matmul_params, train_flops, train_flops_per_token
+from rlhf.planner.flops import matmul_params, train_flops, train_flops_per_token
 
 SMALL = SimpleNamespace(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                         intermediate_size=16, vocab_size=10)

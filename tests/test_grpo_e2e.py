@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.metrics import read_metrics
+from rlhf.run.metrics import read_metrics
 from tests.runs import kill_after_first_checkpoint, run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]

@@ -155,7 +155,7 @@ def test_a_store_hosted_through_torchs_rendezvous_binds_its_advertised_address()
     """In a worker set up by `setup_worker_process` (before torch is imported, as in a fresh Ray
     worker), rank 0 of a `tcp://127.0.0.1:0` rendezvous (how vLLM starts its world) serves the
     store on 127.0.0.1 only; without the hook TCPStore listens on every interface."""
-    code = ("import psutil; from actors.console import setup_worker_process; setup_worker_process(); "
+    code = ("import psutil; from actors.worker_setup import setup_worker_process; setup_worker_process(); "
             "import torch.distributed as dist; "
             "store, _, _ = next(dist.rendezvous('tcp://127.0.0.1:0?rank=0&world_size=1')); "
             "print(*[c.laddr.ip for c in psutil.Process().net_connections() "
@@ -260,7 +260,7 @@ def test_a_groups_secret_reaches_its_actors_through_ray_not_their_environment(tm
     from ray.util.placement_group import placement_group
 
     from actors.actor_group import KV_NAMESPACE, ActorGroup, SealedStore, loopback_interface
-    from actors.console import ray_init_kwargs
+    from scripts.console import ray_init_kwargs
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[_Rank.__module__])  # workers cannot import tests
     ray.init(num_cpus=1, **ray_init_kwargs(tmp_path, verbose=True, local=True))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf.logprobs import (
+from rlhf.algo.logprobs import (
     entropy_from_logits,
     pack_sequences,
     packed_token_logprobs,
@@ -202,7 +202,7 @@ def test_shared_prompts_give_the_rows_log_probs_and_gradients(model_name, reques
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_head_logprobs_equal_log_softmax_values_and_gradients(temperature):
-    from rlhf.logprobs import head_logprobs
+    from rlhf.algo.logprobs import head_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 7, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -228,7 +228,7 @@ def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2):
     give the same logits; scoring gives token_logprobs' values and the same gradients."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf.logprobs import LogprobHead, align_next_token, next_token_targets
+    from rlhf.algo.logprobs import LogprobHead, align_next_token, next_token_targets
 
     ids = torch.randint(3, 200, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids, dtype=torch.bool)

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.batching import shard_for_rank
+from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, load_config
-from rlhf.lora import adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules, target_modules
-from rlhf.metrics import read_metrics
+from rlhf.data.batching import shard_for_rank
+from rlhf.lora import (adapter_weights, check_lora, merged_weights, meta_model, resolve_target_modules,
+                       target_modules)
+from rlhf.run.metrics import read_metrics
 from tests.runs import run_training
-from rlhf.objectives import DPOObjective, GRPOObjective
 from tests.test_fsdp2_learner import _with_reference, make_batch, make_pairs, spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +83,7 @@ def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
     from rlhf.rules import holds_reference_model
     from rlhf.lora import serves_adapters
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, choose_transport
+    from rlhf.lora import serves_adapters
 
     assert holds_reference_model(_cfg("grpo.kl_coef=0.05"))
     assert not holds_reference_model(_cfg("grpo.kl_coef=0.05", "learner.lora_rank=8"))
@@ -223,7 +225,7 @@ def _resume_rank(rank, world, port, backend, model_path, cfg, out):
 def _base_logprobs(model_path, batch) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from rlhf.logprobs import token_logprobs
+    from rlhf.algo.logprobs import token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     with torch.no_grad():

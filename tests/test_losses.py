@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rlhf.algo.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
+from rlhf.algo.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
 from rlhf.config import DPOConfig, GRPOConfig
-from rlhf.losses import aggregate_token_loss, dpo_loss, grpo_policy_loss, kl_estimate, simpo_loss
-from rlhf.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
 from rlhf.types import TrainBatch
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_tokenizer_round_trips_and_has_chat_template(tiny_qwen2):
 
 
 def test_build_is_deterministic_and_cached(tmp_path):
-    from rlhf.models import build_tiny_model
+    from rlhf.data.tiny_models import build_tiny_model
 
     a = build_tiny_model("tiny-qwen2", tmp_path / "a")
     b = build_tiny_model("tiny-qwen2", tmp_path / "b")

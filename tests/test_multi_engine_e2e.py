@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.metrics import read_metrics
+from rlhf.run.metrics import read_metrics
 from tests.runs import kill_after_first_checkpoint, run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
@@ -59,9 +59,9 @@ def two_engine_run(tmp_path_factory):
     import ray
 
     from actors.cluster import build_cluster
-    from actors.launch import ray_session
     from rlhf.config import load_config
     from rlhf.grpo import run_grpo
+    from scripts.launch import ray_session
 
     out = tmp_path_factory.mktemp("two-engines")
     cfg = load_config(ROOT / "configs" / "grpo_tiny_cpu.yaml", [f"output_dir={out}", *COMMON])

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.metrics import NonfiniteTraining, TrainHealth
-from rlhf.objectives import GRPOObjective
+from rlhf.run.metrics import NonfiniteTraining, TrainHealth
 from rlhf.types import StepMetrics
 from tests.test_fsdp2_learner import make_batch
 
@@ -193,7 +193,7 @@ def test_train_health_counts_skipped_steps_in_a_row():
 
 
 def test_the_run_summary_names_skipped_updates():
-    from rlhf.metrics import run_summary
+    from rlhf.run.metrics import run_summary
 
     records = [{"step": i, "timing/step_s": 1.0, "reward/mean": 0.5, "train/nonfinite_skipped": float(i in (2, 3))}
                for i in range(5)]
@@ -223,7 +223,7 @@ def test_dpo_stops_before_saving_after_nonfinite_steps(tmp_path, monkeypatch, sc
     """The DPO loop counts skipped steps like GRPO's, and the stop comes before that step's save."""
     import rlhf.dpo as dpo
     from rlhf.config import load_config
-    from rlhf.preference_data import PreferenceData
+    from rlhf.data.preferences import PreferenceData
     from rlhf.types import PreferencePair
 
     saves = []
@@ -241,7 +241,7 @@ def test_dpo_stops_before_saving_after_nonfinite_steps(tmp_path, monkeypatch, sc
 def test_grpo_with_lr_1e30_exits_with_one_line_and_no_nonfinite_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
-    from rlhf.checkpoint import checkpoint_root
+    from rlhf.run.checkpoint import checkpoint_root
     from tests.runs import run_training
 
     out = tmp_path / "run"

@@ -43,7 +43,7 @@ from benchmarks.plan_check import (
 from benchmarks.scale import layout_steps
 from benchmarks.workloads import REPO_MODELS, our_overrides
 from rlhf.config import config_to_dict, load_config
-from rlhf.planner import KNOWN_SHAPES, PLAN_KEYS, predicted_learner_peak_gib, shape_from_config
+from rlhf.planner.memory import KNOWN_SHAPES, PLAN_KEYS, predicted_learner_peak_gib, shape_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +121,7 @@ def test_which_configurations_the_planner_can_place():
 
 def test_prediction_comes_from_the_config_the_run_used(tmp_path):
     """The launch's own plan (with_memory_plan), through config.yaml, back to its prediction."""
-    from actors.launch import with_memory_plan, write_run_config
+    from scripts.launch import with_memory_plan, write_run_config
 
     check = CONFIGS["1.5b-fsdp2"]
     overrides = check_overrides(check_workload(WORKLOAD, check, tiny=False), check, output_dir=str(tmp_path),

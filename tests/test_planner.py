@@ -1,4 +1,4 @@
-"""The memory planner (rlhf/planner.py), scripts/plan.py and `memory.plan: auto` at launch: CPU only,
+"""The memory planner (rlhf/planner/memory.py), scripts/plan.py and `memory.plan: auto` at launch: CPU only,
 no Ray, no weights (shapes come from config.json or the known-shape table)."""
 
 from __future__ import annotations
@@ -12,17 +12,18 @@ import pytest
 import torch
 import yaml
 
-from actors.launch import cli, write_run_config
 from rlhf.config import ConfigError, explicit_keys, load_config
-from rlhf.planner import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind, make_plan,
-                          model_shape, no_fit_message, predicted_learner_peak_gib)
+from rlhf.planner.memory import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind,
+                                 make_plan, model_shape, no_fit_message, predicted_learner_peak_gib)
+from scripts.launch import cli, write_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 PLANNED = ROOT / "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
 # The 7B one-GPU recipe as full fine-tuning with its former pins: fits no single GPU.
 FULL_7B = ["learner.lora_rank=0", "learner.micro_batch_size=4", "generation.gpu_memory_utilization=0.35"]
-# tiny-qwen2's shape (rlhf/models.py): hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256, vocab 1024
+# tiny-qwen2's shape (rlhf/data/tiny_models.py): hidden 128, 2 layers, 2 heads of 64, 1 KV head, MLP 256,
+# vocab 1024
 TINY = ModelShape(128, 2, 2, 1, 256, 1024, tie_word_embeddings=False, attention_bias=True)
 TINY_PARAMS = (2 * (128 * 128 * 2 + 128 * 64 * 2 + (128 + 2 * 64) + 3 * 128 * 256 + 2 * 128)  # layers
                + 2 * 1024 * 128 + 128)  # embeddings, untied head, final norm
@@ -176,7 +177,7 @@ def test_plan_script_errors_are_one_line_with_status_2(capsys, argv, expected):
 
 
 def _launch(argv: list[str]):
-    """`actors.launch.cli` up to the point where Ray would start; returns (status, the run's cfg)."""
+    """`scripts.launch.cli` up to the point where Ray would start; returns (status, the run's cfg)."""
     seen = []
     # prepare's first value is the model folder, here a tiny one (the disk preflight sizes its checkpoints)
     status = cli("doc", str(PLANNED), "grpo", argv, prepare=lambda cfg: ("tiny-qwen2",),

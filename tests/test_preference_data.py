@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.assets import hhh_pairs
-from rlhf.batching import micro_batches, pairs_to_batch, shard_for_rank
 from rlhf.config import load_config
-from rlhf.preference_data import (
+from rlhf.data.assets import hhh_pairs
+from rlhf.data.batching import micro_batches, pairs_to_batch, shard_for_rank
+from rlhf.data.preferences import (
     MalformedRow,
     PreferenceRow,
     fit_length,
@@ -146,13 +146,13 @@ def test_arithmetic_pairs_chosen_is_right_rejected_is_wrong(tokenizer):
 
 def test_countdown_pairs_rejected_misses_the_target(tokenizer):
     from rewards.tasks import countdown
-    from rlhf.preference_data import countdown_pairs
+    from rlhf.data.preferences import countdown_pairs
 
     cfg = cfg_for("countdown_pairs", "dpo.num_train=12")
     records = countdown_pairs(cfg, "train")
     assert len(records) >= 10
     from rlhf.config import DataConfig
-    from rlhf.data import load_prompts
+    from rlhf.data.prompts import load_prompts
 
     rows = load_prompts(DataConfig(task="countdown", num_train=12, num_eval=1), "train")
     by_expr = {r.answer: r for r in rows}

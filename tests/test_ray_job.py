@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.checkpoint import MANIFEST, checkpoint_root
-from rlhf.metrics import read_metrics
+from rlhf.run.checkpoint import MANIFEST, checkpoint_root
+from rlhf.run.metrics import read_metrics
 from tests.test_listening import is_loopback, listeners
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]

@@ -199,7 +199,7 @@ def test_a_warning_line_names_the_function_the_count_and_the_cause():
 
 
 def test_pool_scorer_prints_the_warning_line(capsys):
-    from rlhf.evaluate import PoolScorer
+    from rlhf.scoring import PoolScorer
 
     class Tokenizer:
         def batch_decode(self, ids, **kwargs):

@@ -216,7 +216,7 @@ def test_task_arithmetic_reads_restated_questions():
 
 
 def test_every_task_has_a_loadable_default_reward():
-    from rlhf.data import TASKS
+    from rlhf.data.prompts import TASKS
 
     assert set(TASK_REWARDS) == set(TASKS)  # evaluation's correctness checker of every built-in task
     for spec in TASK_REWARDS.values():

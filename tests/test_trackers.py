@@ -1,4 +1,4 @@
-"""Experiment trackers (rlhf.trackers) fed by MetricsLogger: TensorBoard event files, an offline
+"""Experiment trackers (rlhf.run.trackers) fed by MetricsLogger: TensorBoard event files, an offline
 W&B run and an MLflow file store are read back with the values of metrics.jsonl; the run's config
 is attached; a missing package is one line naming the install command; the end-of-run summary."""
 
@@ -11,8 +11,8 @@ import struct
 import pytest
 
 from rlhf.config import ConfigError
-from rlhf.metrics import MetricsLogger, read_metrics, run_summary
-from rlhf.trackers import check_backends, mlflow_key
+from rlhf.run.metrics import MetricsLogger, read_metrics, run_summary
+from rlhf.run.trackers import check_backends, mlflow_key
 
 CONFIG = {"algorithm": "grpo", "seed": 3, "learner": {"lr": 1e-5},
           "logging": {"backends": ["jsonl", "tensorboard", "wandb", "mlflow"], "project": "rlhf-test"}}

@@ -34,10 +34,10 @@ from trl.experimental.cpo import CPOTrainer
 from trl.trainer.utils import entropy_from_logits as trl_entropy
 from trl.trainer.utils import nanstd, selective_log_softmax
 
-from rlhf.advantages import grpo_advantages
-from rlhf.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
-from rlhf.losses import dpo_loss
-from rlhf.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
+from rlhf.algo.advantages import grpo_advantages
+from rlhf.algo.logprobs import entropy_from_logits, sequence_logprobs, token_logprobs
+from rlhf.algo.losses import dpo_loss
+from rlhf.algo.objectives import DPOObjective, GRPOObjective, PreferenceBatch, reduce_metrics
 from rlhf.types import TrainBatch
 
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}

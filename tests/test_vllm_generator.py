@@ -25,7 +25,7 @@ import torch
 
 from actors.vllm_generator import engine_settings, expected_checksums
 from rlhf.config import GenerationConfig
-from rlhf.evaluate import PoolScorer, decode_completions
+from rlhf.scoring import PoolScorer, decode_completions
 from rlhf.types import Completion, PromptRow, SamplingSpec
 
 pytestmark = [pytest.mark.e2e]

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from benchmarks.plan_check import sampled_gpus
-from rlhf.checkpoint import checkpoint_root
-from rlhf.metrics import read_metrics
+from rlhf.run.checkpoint import checkpoint_root
+from rlhf.run.metrics import read_metrics
 from tests.runs import run_training
 
 HERE = Path(__file__).resolve().parent

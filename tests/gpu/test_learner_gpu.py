@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
-from rlhf.objectives import GRPOObjective
 from rlhf.types import TrainBatch
 from tests.gpu.suite import resume_from, same_step, train
 

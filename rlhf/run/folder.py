@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from rlhf.checkpoint import checkpoint_root, checkpoint_to_resume, complete_checkpoints
 from rlhf.config import ConfigError, RunConfig, config_to_dict
+from rlhf.run.checkpoint import checkpoint_root, checkpoint_to_resume, complete_checkpoints
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.png", "logs", "tensorboard", "wandb", "mlruns",
              "trackers.json", "reference_logps.pt", "config.yaml")
@@ -213,7 +213,7 @@ def _show(value: Any) -> str:
 
 def _data_differences(cfg: RunConfig, saved: dict[str, Any], path: Path, stream: Any) -> list[str]:
     """The data keys that differ, when the checkpoint's prompt stream is not this run's."""
-    from rlhf.checkpoint import read_run_state  # JSON + safetensors (an earlier version's run_state.pt too)
+    from rlhf.run.checkpoint import read_run_state  # JSON + safetensors (an earlier version's run_state.pt)
 
     was = read_run_state(path).get("prompts", {})
     now = stream.state_dict()

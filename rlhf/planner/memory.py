@@ -48,7 +48,7 @@ Choices:
    gradients, optimizer, reference) stays on the GPU while vLLM generates. A GPU must hold the
    larger of the two phases. Split: learner GPUs hold the learner peak, generator GPUs vLLM alone.
 3. The step-time model covers the learner only (generation does not depend on these settings,
-   given enough KV cache): model FLOPs (rlhf/flops.py) / (MFU * peak), where MFU grows with the
+   given enough KV cache): model FLOPs (rlhf/planner/flops.py) / (MFU * peak), where MFU grows with the
    micro-batch's tokens t as 0.30 * t / (t + 2750). Calibrated on one H200, Qwen2.5-1.5B, 64 x 8
    samples of about 290 tokens: micro-batch 16 -> 64 rows took the learner from 7.3 to 5.25 s
    (the issue's measurement; predicted 7.5 and 5.4 s); the H100's 7.13 s at micro-batch 16 (same
@@ -92,12 +92,12 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import ConfigError, RunConfig, config_to_dict
-from rlhf.flops import train_flops_per_token
+from rlhf.planner.flops import train_flops_per_token
 from rlhf.rules import engine_count, holds_reference_model, run_gpus
 
 GIB = 2**30
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 13, 4, 2  # activation elements per token per layer: 13h + 4f + 2a
-HEAD_CHUNK_TOKENS = 1024  # rlhf.logprobs.DEFAULT_CHUNK_TOKENS
+HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
 CONTEXT_GIB = 0.75  # CUDA context + NCCL buffers per process on a GPU
@@ -148,7 +148,7 @@ def gpu_kind_of_device(device_name: str, memory_gib: float) -> GpuKind:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama/Qwen2-style decoder's shape, with HF config.json's names (so rlhf.flops reads it)."""
+    """A Llama/Qwen2-style decoder's shape, with HF config.json's names (so rlhf.planner.flops reads it)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -202,14 +202,14 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-3b": _qwen2(2048, 36, 16, 2, 11008, 151936, True),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-14b": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
-    # rlhf.gguf_parts' de-quantized Qwen2.5-Coder: its GGUF stores the output layer apart (untied)
+    # rlhf.data.gguf_parts' de-quantized Qwen2.5-Coder: its GGUF stores the output layer apart (untied)
     "qwen2.5-coder-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, False),
     "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
     "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
     "smollm2-135m": ModelShape(576, 30, 9, 3, 1536, 49152, True),
     "smollm2-360m": ModelShape(960, 32, 15, 5, 2560, 49152, True),
     "smollm2-1.7b": ModelShape(2048, 24, 32, 32, 8192, 49152, True),
-    # rlhf.models' random test models (vocab: the 1024-token tokenizer it builds)
+    # rlhf.data.tiny_models' random test models (vocab: the 1024-token tokenizer it builds)
     "tiny-qwen2": ModelShape(128, 2, 2, 1, 256, 1024, False, attention_bias=True),
     "tiny-llama": ModelShape(128, 2, 2, 1, 256, 1024, False, head_dim=64),
 }
@@ -230,7 +230,7 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
 def model_shape(path: str) -> ModelShape:
     """The shape of `model.path`: its config.json (a local folder, or a built-in name's cached
     folder), else the table of known hub models by name."""
-    from rlhf.assets import model_dir  # light: no transformers import
+    from rlhf.data.assets import model_dir  # light: no transformers import
 
     for folder in (Path(path).expanduser(), model_dir(path) if "/" not in path else None):
         if folder is not None and (folder / "config.json").is_file():

@@ -8,7 +8,8 @@ Sources (`dpo.dataset`):
                        ("12 + 7 = 19. The answer is 19."), rejected = the same with a wrong result
     countdown_pairs    from the `countdown` task: chosen = a solving expression, rejected = the same
                        expression with one operator changed so it misses the target
-    hhh_alignment      BIG-bench's helpful/honest/harmless pairs (`python -m rlhf.assets fetch hhh-alignment`)
+    hhh_alignment      BIG-bench's helpful/honest/harmless pairs
+                       (`python -m rlhf.data.assets fetch hhh-alignment`)
     jsonl:<path>, parquet:<path>, hf:<dataset>[:<split>]
 
 Row layouts (detected per row):
@@ -157,7 +158,7 @@ def parse_row(rec: Any) -> PreferenceRow:
 
 
 def _task_rows(cfg: RunConfig, task: str, split: str) -> list[PromptRow]:
-    from rlhf.data import load_prompts
+    from rlhf.data.prompts import load_prompts
 
     n = cfg.dpo.num_train or 512
     data_cfg = replace(cfg.data, task=task, num_train=n, num_eval=cfg.dpo.num_eval)
@@ -206,12 +207,13 @@ def countdown_pairs(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
 
 
 def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
-    """BIG-bench hhh_alignment, converted by `rlhf.assets` to prompt/chosen/rejected JSONL."""
-    from rlhf.assets import data_file, is_fetched
+    """BIG-bench hhh_alignment, converted by `rlhf.data.assets` to prompt/chosen/rejected JSONL."""
+    from rlhf.data.assets import data_file, is_fetched
 
     path = data_file("hhh_alignment.jsonl")
     if not is_fetched(path):
-        raise FileNotFoundError("dpo.dataset=hhh_alignment needs `python -m rlhf.assets fetch hhh-alignment` "
+        raise FileNotFoundError("dpo.dataset=hhh_alignment needs "
+                                "`python -m rlhf.data.assets fetch hhh-alignment` "
                                 "(extracts BIG-bench's pairs from its source package)")
     return [rec for _, rec in _seeded_split(_read_file("jsonl", path), cfg, split)]
 
@@ -228,8 +230,8 @@ BUILTIN: dict[str, Callable[[RunConfig, str], list[dict[str, Any]]]] = {
 
 
 def _read_file(kind: str, path: Path) -> list[tuple[str, Any]]:
-    """(where, record) pairs of a jsonl/parquet file: where is `file:line` (rlhf.data.Located)."""
-    from rlhf.data import FILE_FORMATS
+    """(where, record) pairs of a jsonl/parquet file: where is `file:line` (rlhf.data.prompts.Located)."""
+    from rlhf.data.prompts import FILE_FORMATS
 
     return FILE_FORMATS[kind](path)
 
@@ -284,7 +286,7 @@ def _load_located(cfg: RunConfig, split: str) -> tuple[list[tuple[str, Any]], st
 
 def tokenize_row(row: PreferenceRow, tokenizer: Any, data_cfg: DataConfig) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, chosen ids, rejected ids); see choice 1."""
-    from rlhf.data import render_prompt
+    from rlhf.data.prompts import render_prompt
 
     prompt_ids = render_prompt(PromptRow(prompt=row.prompt), tokenizer, data_cfg)
     if not data_cfg.use_chat_template:

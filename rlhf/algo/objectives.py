@@ -1,4 +1,4 @@
-"""Training objectives the learners call: picklable frozen dataclasses over `rlhf.losses`.
+"""Training objectives the learners call: picklable frozen dataclasses over `rlhf.algo.losses`.
 
 An objective is called once per micro-batch, `objective(logprobs, batch, denominator)`, where
 `logprobs` are the current policy's token log-probs [B, T] (aligned like `TrainBatch`) and
@@ -28,9 +28,10 @@ from typing import get_args
 
 import torch
 
+from rlhf.algo.logprobs import sequence_logprobs
+from rlhf.algo.losses import (ISCorrection, KLEstimator, LossAgg, dpo_loss, grpo_policy_loss,
+                              importance_weights, simpo_loss)
 from rlhf.config import DPOConfig, GRPOConfig
-from rlhf.logprobs import sequence_logprobs
-from rlhf.losses import ISCorrection, KLEstimator, LossAgg, dpo_loss, grpo_policy_loss, importance_weights, simpo_loss
 from rlhf.types import PreferenceBatch, TrainBatch
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
@@ -70,7 +71,7 @@ def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class GRPOObjective:
-    """Clipped GRPO/DAPO/Dr.GRPO policy loss on a `TrainBatch` (see `rlhf.losses.grpo_policy_loss`).
+    """Clipped GRPO/DAPO/Dr.GRPO policy loss on a `TrainBatch` (see `rlhf.algo.losses.grpo_policy_loss`).
 
     max_len: Dr.GRPO's constant normalizer, required with loss_agg="seq-mean-token-sum-norm":
     the completion-length cap (generation.max_new_tokens), as TRL's `max_completion_length`.
@@ -81,7 +82,7 @@ class GRPOObjective:
     carry "mismatch/logprob_abs_diff", the mean |log p_learner - log p_sampler| over masked tokens.
 
     is_correction (`tis`/`mis`, cap `is_cap`): each token's policy term is weighted by old (the
-    proximal policy) over the sampler's probability (rlhf.losses point 5); the metrics then carry
+    proximal policy) over the sampler's probability (rlhf.algo.losses point 5); the metrics then carry
     `is/weight_mean`, `is/weight_max` and `is/clipped_frac`. Needs `batch.sampler_logprobs`.
     """
 

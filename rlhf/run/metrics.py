@@ -76,7 +76,7 @@ def nonfinite(train: StepMetrics) -> bool:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl, feeds the trackers of `logging.backends` (rlhf.trackers) and drives a
+    """Writes metrics.jsonl, feeds the trackers of `logging.backends` (rlhf.run.trackers) and drives a
     tqdm bar whose postfix shows the headline numbers; `close()` prints the run's summary.
 
     `config` is the run's RunConfig (or its dict); without it the `config.yaml` that the entry
@@ -90,7 +90,7 @@ class MetricsLogger:
         from tqdm import tqdm
 
         from rlhf.config import config_to_dict
-        from rlhf.trackers import open_trackers
+        from rlhf.run.trackers import open_trackers
 
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / "metrics.jsonl"
@@ -130,7 +130,7 @@ class MetricsLogger:
             self._bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
 
     def close(self) -> None:
-        """Close the bar and the trackers, then print the run's summary (rlhf.metrics.run_summary)."""
+        """Close the bar and the trackers, then print the run's summary (rlhf.run.metrics.run_summary)."""
         self._bar.close()
         for tracker in self.trackers:
             tracker.close()
@@ -189,7 +189,7 @@ def _figures(records: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list
 
 
 def _locations(out: Path) -> list[str]:
-    from rlhf.checkpoint import latest_checkpoint
+    from rlhf.run.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(out)
     where = [f"metrics: {out / 'metrics.jsonl'}, plot: {out / 'metrics.png'}",

@@ -18,10 +18,10 @@ Choices:
 3. Hashing costs about a second per GB on one core, at save and once more at resume; a
    checkpoint is verified once per process however often it is asked for.
 4. No pickle from another machine ever runs. The run state is JSON + safetensors, formats that
-   hold data only (rlhf.signing choice 4). The train state is pickles (DCP's `.metadata`, DeepSpeed's files), so the
-   manifest is signed with this machine's key (rlhf.signing) and the driver refuses, in one line
-   saying how to trust it deliberately, any checkpoint whose signature is not its own, before any
-   learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
+   hold data only (rlhf.run.signing choice 4). The train state is pickles (DCP's `.metadata`,
+   DeepSpeed's files), so the manifest is signed with this machine's key (rlhf.run.signing) and
+   the driver refuses, in one line saying how to trust it deliberately, any checkpoint whose
+   signature is not its own, before any learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
    of an earlier version is read only in a checkpoint signed here, with torch's weights-only
    unpickler.
 5. `keep_checkpoints=N`: after each complete save, the complete checkpoints older than the newest
@@ -52,14 +52,14 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
-from rlhf import signing
 from rlhf.errors import RunError
 from rlhf.protocols import LearnerGroup
-from rlhf.signing import read_run_state, write_run_state
+from rlhf.run import signing
+from rlhf.run.signing import read_run_state, write_run_state
 
 if TYPE_CHECKING:
     from rlhf.config import RunConfig
-    from rlhf.planner import ModelShape
+    from rlhf.planner.memory import ModelShape
 
 _PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -302,7 +302,7 @@ def _check_files(path: Path, files: dict[str, Any]) -> None:
 
 def resign_checkpoint(path: Path) -> None:
     """Sign `path`'s manifest with this machine's key, after checking every file against it: a
-    deliberate act of trust (`python -m rlhf.signing FOLDER`, rlhf.signing choice 3)."""
+    deliberate act of trust (`python -m rlhf.run.signing FOLDER`, rlhf.run.signing choice 3)."""
     manifest = _read_manifest(path)
     _check_files(path, manifest["files"])
     manifest["signature"] = signing.sign(manifest["files"])
@@ -419,7 +419,7 @@ def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
     """Raise ConfigError (one line) when the checkpoints that will coexist do not fit the free
     space of output_dir's disk (choice 7)."""
     from rlhf.config import ConfigError
-    from rlhf.planner import model_shape
+    from rlhf.planner.memory import model_shape
 
     try:
         shape = model_shape(str(model_path))
@@ -448,7 +448,7 @@ def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
 
 
 def preflight_checkpoints(cfg: RunConfig, model_path: str | Path) -> None:
-    """What the checkpoints need, checked before Ray starts (actors/launch.py cli): the signing
+    """What the checkpoints need, checked before Ray starts (scripts/launch.py cli): the signing
     key exists (made now) outside output_dir (choice 4), and the disk has room (choice 7).
     Raises ConfigError (one line)."""
     from rlhf.config import ConfigError

@@ -2,7 +2,7 @@
 
 A checkpoint's resumable train state holds pickles (torch.distributed.checkpoint's `.metadata`,
 DeepSpeed's state files), and unpickling runs whatever code the file names. So resume loads a
-checkpoint only when its manifest carries this machine's signature (`rlhf.checkpoint` checks it
+checkpoint only when its manifest carries this machine's signature (`rlhf.run.checkpoint` checks it
 on the driver before any learner reads a byte); the learners also read what they can with
 restricted unpicklers, as a second line of defence. The driver's own run state is no pickle.
 
@@ -16,7 +16,7 @@ Choices:
    so a signed manifest vouches for every byte of the checkpoint.
 3. Trust is deliberate and one line away: a checkpoint from elsewhere is refused naming its folder;
    copy the key file from the machine that wrote it, or, knowing where the checkpoint came from,
-   sign it here with `python -m rlhf.signing FOLDER` (which checks every file first).
+   sign it here with `python -m rlhf.run.signing FOLDER` (which checks every file first).
 4. The run state (step, prompt-stream position, queued rollouts, RNG states) is `run_state.json`
    plus `run_state.safetensors` for its tensors and long number lists (token ids, log-probs:
    exact, and a quarter of their JSON size). Objects are tagged dataclasses from a fixed list
@@ -74,7 +74,7 @@ def load_key() -> bytes:
                         f"checkpoints with it: chmod 600 {path}")
     if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
         raise SigningKeyError(f"the checkpoint signing key {path} is not 64 hex digits: delete it to make a new one "
-                        f"(checkpoints signed with it then need `python -m rlhf.signing FOLDER`)")
+                        f"(checkpoints signed with it then need `python -m rlhf.run.signing FOLDER`)")
     return bytes.fromhex(text)
 
 
@@ -131,7 +131,7 @@ def signature_problem(files: dict[str, Any], signature: Any) -> str | None:
 def trust_hint(folder: Path) -> str:
     """How to trust `folder` deliberately (choice 3)."""
     return (f"to trust it, copy the key file {key_path()} from the machine that wrote it, or, if you know "
-            f"where it came from, sign it here with `python -m rlhf.signing {folder}`")
+            f"where it came from, sign it here with `python -m rlhf.run.signing {folder}`")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def read_run_state(path: Path) -> dict[str, Any]:
     earlier version's run_state.pt (choice 4). Raises CheckpointError (one line)."""
     from safetensors.torch import load_file
 
-    from rlhf.checkpoint import CheckpointError
+    from rlhf.run.checkpoint import CheckpointError
 
     if not (path / RUN_STATE).is_file():
         if (path / LEGACY_RUN_STATE).is_file():
@@ -172,7 +172,7 @@ def _read_legacy_run_state(path: Path) -> dict[str, Any]:
     dataclasses are built, nothing is called."""
     import pickle
 
-    from rlhf.checkpoint import CheckpointError
+    from rlhf.run.checkpoint import CheckpointError
 
     try:
         with torch.serialization.safe_globals(list(_RUN_TYPES.values())):
@@ -236,13 +236,13 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rlhf.signing FOLDER...`: check each checkpoint against its manifest, then sign it
+    """`python -m rlhf.run.signing FOLDER...`: check each checkpoint against its manifest, then sign it
     with this machine's key (choice 3)."""
-    from rlhf.checkpoint import CheckpointError, resign_checkpoint
+    from rlhf.run.checkpoint import CheckpointError, resign_checkpoint
 
     folders = sys.argv[1:] if argv is None else argv
     if not folders or any(a.startswith("-") for a in folders):
-        print("usage: python -m rlhf.signing CHECKPOINT_FOLDER... (signs them with this machine's key "
+        print("usage: python -m rlhf.run.signing CHECKPOINT_FOLDER... (signs them with this machine's key "
               f"{key_path()}; only for checkpoints whose origin you trust)", file=sys.stderr)
         return 2
     for folder in folders:

@@ -6,7 +6,7 @@
     batch = stream.take(cfg.grpo.prompts_per_step)      # stream.state_dict() goes in checkpoints
 
 Tasks (`data.task`): `arithmetic`, `gsm_symbolic`, `countdown` (reasoning-gym generators),
-`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.assets fetch`), `champ`
+`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.data.assets fetch`), `champ`
 (competition math shipped in the `champ-dataset` package), `gsm8k` and `math` (model hub), and
 `jsonl:<path>` / `parquet:<path>` for local files.
 
@@ -138,12 +138,12 @@ GAME24_QUESTION = ("Use the numbers {numbers} and basic arithmetic operations (+
 
 def load_game24(cfg: DataConfig, split: Split) -> list[PromptRow]:
     """The 1,362 puzzles of Tree of Thoughts (meta: numbers, target=24, rank by human solve time)."""
-    from rlhf.assets import data_file
+    from rlhf.data.assets import data_file
 
     path = data_file("game24.csv")
     if not path.is_file():
         raise FileNotFoundError(f"task 'game24' needs {path}; run `bash scripts/setup.sh` "
-                                f"(or `python -m rlhf.assets fetch game24`)")
+                                f"(or `python -m rlhf.data.assets fetch game24`)")
     rows = []
     with open(path, newline="") as f:
         for rec in csv.DictReader(f):

@@ -1,5 +1,5 @@
 """Experiment trackers behind `logging.backends`: TensorBoard, Weights & Biases and MLflow get every
-record of metrics.jsonl (which is always written, by rlhf.metrics), with the same keys, indexed by
+record of metrics.jsonl (which is always written, by rlhf.run.metrics), with the same keys, indexed by
 the record's `step`, and the run's config attached.
 
 Choices:
@@ -30,7 +30,7 @@ from rlhf.config import ConfigError
 # backend -> (module that must import, distribution to install)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}
-REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements" / "trackers.txt"
+REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements" / "trackers.txt"
 
 
 class Tracker(Protocol):
@@ -50,7 +50,7 @@ def check_backends(backends: tuple[str, ...] | list[str]) -> None:
 
 def open_trackers(backends: tuple[str, ...] | list[str], output_dir: str | Path, *, project: str,
                   config: dict[str, Any], start_step: int = 0) -> list[Tracker]:
-    """One open tracker per chosen backend other than `jsonl` (rlhf.metrics writes that one)."""
+    """One open tracker per chosen backend other than `jsonl` (rlhf.run.metrics writes that one)."""
     check_backends(backends)
     out = Path(output_dir)
     ids_path = out / "trackers.json"

@@ -85,7 +85,7 @@ def micro_batch_items(batch: Batch, size: int, max_tokens: int = 0) -> list[torc
     while (rows in the bin) x (its longest row) <= max_tokens, i.e. the micro-batch's padded size;
     an item longer than the budget goes alone. Similar lengths share a micro-batch, so little of it
     is padding, and short rows go many to a pass. The loss is normalised by the whole step's
-    denominator (rlhf.objectives), so how items are grouped never changes the gradient.
+    denominator (rlhf.algo.objectives), so how items are grouped never changes the gradient.
     """
     count, per_item = len(batch), batch.rows_per_item
     if not max_tokens:

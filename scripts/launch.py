@@ -17,7 +17,7 @@ import yaml
 from rlhf.config import ConfigError, RunConfig, config_to_dict, load_config
 
 if TYPE_CHECKING:
-    from rlhf.planner import GpuKind
+    from rlhf.planner.memory import GpuKind
 
 
 @contextmanager
@@ -25,11 +25,11 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
     """Create `cfg.output_dir` with the resolved `config.yaml`, print what the run is, join the Ray
     cluster at `cluster.address` / RAY_ADDRESS (as under `ray job submit`) or start a local one,
     and shut Ray down on the way out, error or not. Unless `logging.verbose`, what the libraries
-    print goes to `<output_dir>/logs/` (actors/console.py). Yields the output folder."""
+    print goes to `<output_dir>/logs/` (scripts/console.py). Yields the output folder."""
     import ray
 
-    from actors.console import describe_run, driver_logs_to_file, ray_init_kwargs
-    from rlhf.trackers import check_backends
+    from rlhf.run.trackers import check_backends
+    from scripts.console import describe_run, driver_logs_to_file, ray_init_kwargs
 
     check_backends(cfg.logging.backends)  # a missing tracker package: one line, before anything starts
     out, verbose = Path(cfg.output_dir), cfg.logging.verbose
@@ -57,10 +57,10 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
 
 
 def gather_logs(logs: Path, session_dir: str | None) -> None:
-    """`collect_ray_logs` (actors/console.py), whose failure (a full disk, a vanished file) is one
+    """`collect_ray_logs` (scripts/console.py), whose failure (a full disk, a vanished file) is one
     warning line: in `ray_session`'s finally it must never replace the error the run is ending
     with, nor bury it under a traceback of its own."""
-    from actors.console import collect_ray_logs
+    from scripts.console import collect_ray_logs
 
     try:
         collect_ray_logs(logs, session_dir)
@@ -121,12 +121,12 @@ def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] |
                 prepare: Callable[[RunConfig], tuple]) -> tuple[RunConfig, tuple]:
     """Parse `--config` and overrides, check the recipe is for `algorithm`, settle the compute
     dtype for this machine, apply `memory.plan: auto` (`with_memory_plan`), check the output folder
-    (writable; an earlier run there is refused without resume or overwrite: rlhf/run_folder.py)
+    (writable; an earlier run there is refused without resume or overwrite: rlhf/run/folder.py)
     and the checkpoint to resume from, run `prepare(cfg)` (everything else that can fail on bad
     input, the resume's fit to its checkpoint included), and with overwrite=true delete the earlier
     run last. Returns the settled config and what `prepare` returned."""
     from rlhf.config_checks import check_files
-    from rlhf.run_folder import check_run_folder, clear_earlier_run
+    from rlhf.run.folder import check_run_folder, clear_earlier_run
 
     args = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse(
         argv, default_config)
@@ -140,7 +140,7 @@ def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] |
     check_files(cfg)  # learner.deepspeed_config
     check_run_folder(cfg)  # an earlier run without resume/overwrite; the checkpoint to resume verified
     prepared = prepare(cfg)
-    from rlhf.checkpoint import preflight_checkpoints
+    from rlhf.run.checkpoint import preflight_checkpoints
 
     preflight_checkpoints(cfg, prepared[0])  # the signing key; room on the disk for the checkpoints
     if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
@@ -184,7 +184,7 @@ def with_compute_dtype(cfg: RunConfig) -> RunConfig:
 
 
 def with_memory_plan(cfg: RunConfig, config_path: str | None, overrides: list[str]) -> RunConfig:
-    """`cfg` with `memory.plan: auto` applied (rlhf/planner.py): the plan's values for the keys that
+    """`cfg` with `memory.plan: auto` applied (rlhf/planner/memory.py): the plan's values for the keys that
     neither the recipe nor the overrides set, printed once; they reach every actor and config.yaml.
     A recipe that fits nowhere is a ConfigError naming the memory it needs and what to change. On a
     machine without a GPU and `memory.gpu: auto` there is nothing to plan for: one line says so and
@@ -192,7 +192,7 @@ def with_memory_plan(cfg: RunConfig, config_path: str | None, overrides: list[st
     if cfg.memory.plan == "off":
         return cfg
     from rlhf.config import explicit_keys
-    from rlhf.planner import applied, make_plan, model_shape, no_fit_message, plan_lines
+    from rlhf.planner.memory import applied, make_plan, model_shape, no_fit_message, plan_lines
 
     gpu = planned_gpu(cfg.memory.gpu, cfg.memory.gpu_memory_gib)
     if gpu is None:
@@ -213,7 +213,7 @@ def planned_gpu(kind: str, memory_gib: float = 0.0) -> GpuKind | None:
     """The planner's GpuKind for `memory.gpu` (`auto`: this machine's GPU 0 by name and memory), its
     memory replaced by `memory_gib` when > 0; None for `auto` with neither a GPU nor a memory."""
     from actors.device import gpu_identity
-    from rlhf.planner import gpu_kind, gpu_kind_of_device
+    from rlhf.planner.memory import gpu_kind, gpu_kind_of_device
 
     if kind != "auto":
         return gpu_kind(kind, memory_gib)
@@ -252,14 +252,14 @@ def _one_line(e: BaseException) -> str:
 
 def resume_hint(cfg: RunConfig) -> str:
     """Where a failed run can continue from."""
-    from rlhf.checkpoint import latest_checkpoint
-    from rlhf.run_folder import earlier_run
+    from rlhf.run.checkpoint import latest_checkpoint
+    from rlhf.run.folder import earlier_run
 
     path = latest_checkpoint(cfg.output_dir)
     if path is not None:
         return f"Resume from {path} with resume=true"
     kept = sorted(Path(cfg.output_dir, "checkpoints").glob("step_*_model_only"))
-    if kept:  # a save that failed kept the finished model (rlhf.checkpoint)
+    if kept:  # a save that failed kept the finished model (rlhf.run.checkpoint)
         return f"No resumable checkpoint was written; the trained model is in {kept[-1]}"
     again = "start it again with overwrite=true" if earlier_run(cfg.output_dir) else "run it again"
     return f"No checkpoint was written; {again} (save_every=K keeps one every K steps)"
@@ -267,7 +267,7 @@ def resume_hint(cfg: RunConfig) -> str:
 
 def interrupted(cfg: RunConfig) -> str:
     """The line for a run stopped by Ctrl-C: how far it got, what was saved, how to resume."""
-    from rlhf.run_folder import metrics_steps, steps_done
+    from rlhf.run.folder import metrics_steps, steps_done
 
     steps = metrics_steps(cfg.output_dir)
     return f"interrupted (Ctrl-C){f' after {steps_done(steps)}' if steps else ''}. {resume_hint(cfg)}"

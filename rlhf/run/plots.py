@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.metrics import read_metrics
+from rlhf.run.metrics import read_metrics
 
 PANELS = (
     ("reward", ("reward/mean", "eval/pass@1")),

