@@ -210,7 +210,9 @@ def describe_tools(tools: dict[str, ToolFn]) -> str:
     lines = ['Call a tool by writing <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>; '
              "its output comes back in the next message. Tools:"]
     for name, fn in tools.items():
-        params = [p for p in inspect.signature(fn).parameters.values() if p.name != "timeout_s"]
+        params = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "timeout_s"]
+        shown = [p.name if p.annotation is p.empty else f"{p.name}: {getattr(p.annotation, '__name__', p.annotation)}"
+                 for p in params]
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
-        lines.append(f"- {name}({', '.join(str(p) for p in params)}): {doc}")
+        lines.append(f"- {name}({', '.join(shown)}): {doc}")
     return "\n".join(lines)
