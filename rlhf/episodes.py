@@ -39,11 +39,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from rlhf.protocols import Generator
 from rlhf.tools import ToolBox, parse_tool_calls
 from rlhf.types import Completion, PromptRow, SamplingSpec
+
+if TYPE_CHECKING:
+    from rlhf.config import RunConfig
 
 ENDS = ("answer", "max_turns", "token_budget")
 """Why an episode ended: the model answered (or the environment said done), it used `max_turns`
@@ -231,3 +236,41 @@ def _metrics(runs: list[_Run], engine: Counter) -> dict[str, float]:
         **{f"env/end/{cause}": sum(r.end == cause for r in runs) / n for cause in ENDS},
     }
     return {**dict(engine), **out}
+
+
+@dataclass
+class EpisodeSampler:
+    """What the rollout queue calls instead of `Generator.submit` when `env.tools` is set:
+    `sampler(rows, prompt_ids, sampling) -> (completions, metrics)` (run_episodes, synchronous)."""
+
+    generator: Generator
+    environment: Environment
+    suffix: ChatSuffix
+    decode: Callable[[list[int]], str]
+    max_turns: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
+        """The tool environment of `env`, or None when `env.tools` is empty (single-turn GRPO)."""
+        if not cfg.env.tools:
+            return None
+        box = ToolBox.from_specs(cfg.env.tools, timeout_s=cfg.env.tool_timeout_s,
+                                 max_output_chars=cfg.env.max_tool_output_chars)
+        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode, cfg.env.max_turns)
+
+    def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
+                 ) -> tuple[list[Completion], dict[str, float]]:
+        return run_episodes(self.generator, rows, prompt_ids, sampling, self.environment, self.suffix,
+                            max_turns=self.max_turns, decode=self.decode)
+
+
+def with_env_rewards(rewards: torch.Tensor, completions: Sequence[Completion]) -> torch.Tensor:
+    """The reward functions' scores with each episode's environment reward, where it gave one, in
+    their place (choice 6)."""
+    env = [(i, c.reward) for i, c in enumerate(completions) if c.reward is not None]
+    if not env:
+        return rewards
+    out = rewards.clone()
+    for i, r in env:
+        out[i] = r
+    return out

@@ -12,8 +12,9 @@ Choices:
 3. Nothing a model writes crashes the run: bad JSON, an unknown tool, wrong arguments or a tool
    that raises become an error observation (`error: ...`) the model reads next turn, counted by
    cause; a call that outlives `timeout_s` is cut and answered `error: timed out`. Tools run on a
-   thread so the wait can be cut; the thread of a hung pure-Python tool is left behind (the
-   built-in `python` tool runs in a child process that is killed at the limit, rlhf.sandbox).
+   daemon thread so the wait can be cut; the thread of a hung pure-Python tool is left behind
+   (it cannot be killed, and it does not hold up the run's exit). The built-in `python` tool runs
+   in a child process that is killed at the limit (rlhf.sandbox), so it leaves nothing behind.
 4. A tool that declares a keyword-only `timeout_s` parameter receives the configured limit
    (whatever the model passed), so its own limit and the wait agree.
 5. Outputs are cut to `max_output_chars` here, for every tool.
@@ -27,9 +28,8 @@ import json
 import math
 import operator
 import re
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,7 +143,6 @@ class ToolBox:
 
     def __init__(self, tools: dict[str, ToolFn], *, timeout_s: float = 10.0, max_output_chars: int = 2000) -> None:
         self.tools, self.timeout_s, self.max_output_chars = tools, timeout_s, max_output_chars
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
 
     @classmethod
     def from_specs(cls, specs: list[str] | tuple[str, ...], **limits: Any) -> ToolBox:
@@ -166,19 +165,24 @@ class ToolBox:
             return ToolResult(f"error: wrong arguments for {call.name}: {e}", "error")
         except ValueError:  # no signature to check: let the call say
             pass
-        future = self._pool.submit(fn, **arguments)
-        try:
-            # a little over the limit: a tool enforcing `timeout_s` itself reports its own cut
-            out = future.result(timeout=self.timeout_s + 1.0)
-        except FutureTimeout:
-            return ToolResult(f"error: {call.name} timed out after {self.timeout_s:g}s", "timeout")
-        except Exception as e:  # the tool's own failure, shown to the model
-            return ToolResult(f"error: {type(e).__name__}: {cut(str(e), 300)}", "error")
-        text = cut(str(out), self.max_output_chars)
-        return ToolResult(text, "timeout" if "[killed: wall-clock limit" in text else "ok")
+        outcome: dict[str, Any] = {}
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        def target() -> None:
+            try:
+                outcome["out"] = fn(**arguments)
+            except Exception as e:  # the tool's own failure, shown to the model
+                outcome["error"] = e
+
+        thread = threading.Thread(target=target, name=f"tool-{call.name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s + 1.0)  # a little over: a tool enforcing `timeout_s` reports its own cut
+        if thread.is_alive():
+            return ToolResult(f"error: {call.name} timed out after {self.timeout_s:g}s", "timeout")
+        if "error" in outcome:
+            e = outcome["error"]
+            return ToolResult(f"error: {type(e).__name__}: {cut(str(e), 300)}", "error")
+        text = cut(str(outcome["out"]), self.max_output_chars)
+        return ToolResult(text, "timeout" if "[killed: wall-clock limit" in text else "ok")
 
 
 def _takes_timeout(fn: ToolFn) -> bool:

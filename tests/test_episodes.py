@@ -84,7 +84,6 @@ def episodes(tok, *, max_turns=4, budget=400, script=SCRIPT, tools=None):
     spec = SamplingSpec(n=G, max_new_tokens=budget, seed=7)
     completions, metrics = run_episodes(gen, rows, prompts, spec, ToolEnvironment(box), ChatSuffix(tok),
                                         max_turns=max_turns, decode=tok.decode)
-    box.close()
     return rows, prompts, gen, completions, metrics
 
 

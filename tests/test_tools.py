@@ -107,35 +107,29 @@ def explode(x: int) -> str:
 def test_toolbox_turns_every_bad_call_into_an_error_observation():
     box = ToolBox({"calculator": calculator, "explode": explode, "hang": hang}, timeout_s=0.5,
                   max_output_chars=20)
-    try:
-        assert box.run(ToolCall("calculator", {"expression": "6*7"})).text == "42"
-        results = {
-            "unknown": box.run(ToolCall("search", {"q": "x"})),
-            "wrong args": box.run(ToolCall("calculator", {"expr": "1"})),
-            "bad json": box.run(parse_tool_calls("<tool_call>{</tool_call>")[0]),
-            "raises": box.run(ToolCall("explode", {"x": 3})),
-            "bad expression": box.run(ToolCall("calculator", {"expression": "import os"})),
-        }
-        assert all(r.status == "error" and r.text.startswith("error:") for r in results.values()), results
-        assert "unknown tool 'search'" in results["unknown"].text and "boom 3" in results["raises"].text
-        start = time.perf_counter()
-        hung = box.run(ToolCall("hang", {}))
-        assert hung.status == "timeout" and time.perf_counter() - start < 2.5
-        long = box.run(ToolCall("calculator", {"expression": "2**200"}))
-        assert long.text.startswith(str(2**200)[:20]) and "truncated" in long.text
-    finally:
-        box.close()
+    assert box.run(ToolCall("calculator", {"expression": "6*7"})).text == "42"
+    results = {
+        "unknown": box.run(ToolCall("search", {"q": "x"})),
+        "wrong args": box.run(ToolCall("calculator", {"expr": "1"})),
+        "bad json": box.run(parse_tool_calls("<tool_call>{</tool_call>")[0]),
+        "raises": box.run(ToolCall("explode", {"x": 3})),
+        "bad expression": box.run(ToolCall("calculator", {"expression": "import os"})),
+    }
+    assert all(r.status == "error" and r.text.startswith("error:") for r in results.values()), results
+    assert "unknown tool 'search'" in results["unknown"].text and "boom 3" in results["raises"].text
+    start = time.perf_counter()
+    hung = box.run(ToolCall("hang", {}))
+    assert hung.status == "timeout" and time.perf_counter() - start < 2.5
+    long = box.run(ToolCall("calculator", {"expression": "2**200"}))
+    assert long.text.startswith(str(2**200)[:20]) and "truncated" in long.text
 
 
 def test_python_tool_gets_the_configured_time_limit():
     box = ToolBox({"python": python}, timeout_s=1.0)
-    try:
-        start = time.perf_counter()
-        result = box.run(ToolCall("python", {"code": "import time\ntime.sleep(30)", "timeout_s": 1000}))
-        assert result.status == "timeout" and time.perf_counter() - start < 3.0
-        assert box.run(ToolCall("python", {"code": "print(sum(range(10)))"})).text.strip() == "45"
-    finally:
-        box.close()
+    start = time.perf_counter()
+    result = box.run(ToolCall("python", {"code": "import time\ntime.sleep(30)", "timeout_s": 1000}))
+    assert result.status == "timeout" and time.perf_counter() - start < 3.0
+    assert box.run(ToolCall("python", {"code": "print(sum(range(10)))"})).text.strip() == "45"
 
 
 def test_tool_specs_load_or_fail_as_one_config_line():
