@@ -20,7 +20,7 @@ def test_tiny_run_with_tools_completes_and_logs_tool_metrics(tmp_path):
                         "save_every=0", "data.num_train=16", "data.num_eval=4",
                         "env.tools=[rlhf.tools:calculator, rlhf.tools:python]", "env.max_turns=3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     assert len(records) == 2
     for r in records:
         assert all(k in r for k in ENV_KEYS), sorted(r)
