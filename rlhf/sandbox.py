@@ -4,8 +4,9 @@ Choices, and what they do and do not guarantee (best effort, not a security boun
 1. One fresh process per call (`python -I -S -B`): no user site, no PYTHON* variables, no
    site-packages (so no editable install of this project on the path: the standard library only),
    no bytecode written.
-2. Limits set in the child before it starts (resource.setrlimit): CPU seconds (RLIMIT_CPU, the
-   kernel kills it), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), no core files. A
+2. Limits set by the child's first lines, before the model's code (resource.setrlimit; not in a
+   `preexec_fn`, which is unsafe in the threaded driver that runs tools): CPU seconds (RLIMIT_CPU,
+   the kernel kills it), address space (RLIMIT_AS), file size (RLIMIT_FSIZE), no core files. A
    wall-clock limit on top kills the whole process group, so `time.sleep` or a blocked read ends too.
 3. A scrubbed environment: only PATH, LANG and HOME (the temp dir); none of the run's variables.
 4. A throwaway working directory (tempfile), deleted after the call.
@@ -23,7 +24,6 @@ Choices, and what they do and do not guarantee (best effort, not a security boun
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -31,11 +31,17 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-# The child's first code: limits are already in place (preexec); this installs the audit hook,
-# then runs main.py from the temp dir (its cwd). `sys.argv[1]` is the temp dir.
+# The child's first code: sets the limits (choice 2), installs the audit hook, then runs main.py
+# from the temp dir (its cwd). argv: the temp dir, CPU seconds, address-space and file-size bytes.
 _BOOTSTRAP = r'''
-import os, sys
+import os, resource, signal, sys
 ROOT = os.path.realpath(sys.argv[1])
+CPU, MEMORY, FILE_SIZE = (int(a) for a in sys.argv[2:5])
+resource.setrlimit(resource.RLIMIT_CPU, (CPU, CPU + 1))
+resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE, FILE_SIZE))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-long write fails (EFBIG) instead of killing
 READ_OK = tuple(os.path.realpath(p) for p in sys.path if p) + (ROOT,)
 BLOCKED = {"socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
            "socket.sendto", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
@@ -111,10 +117,11 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
             f.write(code)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": root}
         with tempfile.TemporaryFile() as out:
+            limits_argv = [str(limits.cpu_s), str(limits.memory_mb * 2**20), str(limits.file_mb * 2**20)]
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, root], cwd=root, env=env,
+                [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, root, *limits_argv], cwd=root, env=env,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=lambda: _limit_child(limits), close_fds=True,
+                close_fds=True,
             )
             timed_out = False
             try:
@@ -139,13 +146,3 @@ def cut(text: str, max_chars: int) -> str:
     """`text` up to `max_chars` characters, with a closing `[... truncated]` line when it was longer."""
     return text if len(text) <= max_chars else text[:max_chars] + f"\n[... truncated at {max_chars} chars]"
 
-
-def _limit_child(limits: SandboxLimits) -> None:
-    """In the child, between fork and exec: the kernel-enforced limits (choice 2)."""
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-    memory = limits.memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    size = limits.file_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an over-long write fails (EFBIG) instead of killing

@@ -149,3 +149,13 @@ def test_tool_specs_load_or_fail_as_one_config_line():
 def test_env_config_is_validated(key, value):
     with pytest.raises(ConfigError, match=f"env.{key}"):
         config_from_dict({"env": {key: value}})
+
+
+def test_sandbox_memory_is_limited():
+    r = run_python("x = bytearray(1024 ** 3)\nprint('allocated'.upper())", SandboxLimits(memory_mb=256))
+    assert "ALLOCATED" not in r.output and "MemoryError" in r.output
+
+
+def test_sandbox_limits_cannot_be_raised_by_the_code():
+    r = run_python("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\nprint('raised'.upper())")
+    assert "RAISED" not in r.output
