@@ -189,7 +189,8 @@ def load_function(spec: str, kind: str = "reward") -> Callable[..., Any]:
     with no check of its signature (tools use this too: `kind` names what it is in messages).
     Every problem raises RewardLoadError, one line."""
     target, name = _split_spec(spec)
-    module = _import_file(target, spec, kind) if _is_file_target(target) else _import_module(target, spec, kind)
+    module = (_import_file(target, spec, kind) if _is_file_target(target)
+              else _import_module(target, spec, kind))
     obj: Any = module
     for part in name.split("."):
         if not hasattr(obj, part):

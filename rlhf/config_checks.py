@@ -155,7 +155,8 @@ def _env(c: RunConfig) -> None:
     e = c.env
     check(e.max_turns >= 1, "env.max_turns", "an integer >= 1", e.max_turns)
     check(e.tool_timeout_s > 0, "env.tool_timeout_s", "a number > 0 (seconds)", e.tool_timeout_s)
-    check(e.max_tool_output_chars >= 1, "env.max_tool_output_chars", "an integer >= 1", e.max_tool_output_chars)
+    check(e.max_tool_output_chars >= 1, "env.max_tool_output_chars", "an integer >= 1",
+          e.max_tool_output_chars)
     for i, spec in enumerate(e.tools):
         check(isinstance(spec, str) and ":" in spec, f"env.tools[{i}]",
               "'package.module:function' or 'path/to/file.py:function'", spec)

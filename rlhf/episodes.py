@@ -90,7 +90,8 @@ class ToolEpisode:
         results = [self.toolbox.run(call) for call in calls]
         counts = Counter(tool_calls=len(results), tool_errors=sum(r.status == "error" for r in results),
                          tool_timeouts=sum(r.status == "timeout" for r in results))
-        return Observation(messages=[{"role": "tool", "content": r.text} for r in results], counts=dict(counts))
+        messages = [{"role": "tool", "content": r.text} for r in results]
+        return Observation(messages=messages, counts=dict(counts))
 
 
 @dataclass
@@ -146,7 +147,8 @@ class _Run:
 
 
 def run_episodes(generator: Generator, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]],
-                 sampling: SamplingSpec, environment: Environment, suffix: Callable[[list[dict[str, str]], int | None], list[int]],
+                 sampling: SamplingSpec, environment: Environment,
+                 suffix: Callable[[list[dict[str, str]], int | None], list[int]],
                  *, max_turns: int, decode: Callable[[list[int]], str], workers: int = 8
                  ) -> tuple[list[Completion], dict[str, float]]:
     """`sampling.n` episodes per prompt, grouped like `Generator.generate`'s completions
@@ -256,7 +258,8 @@ class EpisodeSampler:
             return None
         box = ToolBox.from_specs(cfg.env.tools, timeout_s=cfg.env.tool_timeout_s,
                                  max_output_chars=cfg.env.max_tool_output_chars)
-        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode, cfg.env.max_turns)
+        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode,
+                   cfg.env.max_turns)
 
     def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
                  ) -> tuple[list[Completion], dict[str, float]]:

@@ -123,7 +123,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         name = data.get("name") if isinstance(data, dict) else None
         arguments = data.get("arguments", {}) if isinstance(data, dict) else None
         if not isinstance(name, str) or not isinstance(arguments, dict):
-            calls.append(ToolCall(str(name or ""), {}, 'a tool call must be {"name": str, "arguments": {...}}'))
+            shape = 'a tool call must be {"name": str, "arguments": {...}}'
+            calls.append(ToolCall(str(name or ""), {}, shape))
         else:
             calls.append(ToolCall(name, arguments))
     return calls
@@ -141,7 +142,8 @@ class ToolResult:
 class ToolBox:
     """The configured tools by name, run with a time limit and a cut output (choices 3-5)."""
 
-    def __init__(self, tools: dict[str, ToolFn], *, timeout_s: float = 10.0, max_output_chars: int = 2000) -> None:
+    def __init__(self, tools: dict[str, ToolFn], *, timeout_s: float = 10.0,
+                 max_output_chars: int = 2000) -> None:
         self.tools, self.timeout_s, self.max_output_chars = tools, timeout_s, max_output_chars
 
     @classmethod
@@ -155,7 +157,8 @@ class ToolBox:
             return ToolResult(f"error: {call.error}", "error")
         fn = self.tools.get(call.name)
         if fn is None:
-            return ToolResult(f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(self.tools))})", "error")
+            known = ", ".join(sorted(self.tools))
+            return ToolResult(f"error: unknown tool {call.name!r} (tools: {known})", "error")
         arguments = dict(call.arguments)
         if _takes_timeout(fn):
             arguments["timeout_s"] = self.timeout_s
@@ -214,9 +217,10 @@ def describe_tools(tools: dict[str, ToolFn]) -> str:
     lines = ['Call a tool by writing <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>; '
              "its output comes back in the next message. Tools:"]
     for name, fn in tools.items():
-        params = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "timeout_s"]
-        shown = [p.name if p.annotation is p.empty else f"{p.name}: {getattr(p.annotation, '__name__', p.annotation)}"
-                 for p in params]
+        params = inspect.signature(fn, eval_str=True).parameters.values()
+        params = [p for p in params if p.name != "timeout_s"]
+        shown = [p.name if p.annotation is p.empty
+                 else f"{p.name}: {getattr(p.annotation, '__name__', p.annotation)}" for p in params]
         doc = (inspect.getdoc(fn) or "").split("\n")[0]
         lines.append(f"- {name}({', '.join(shown)}): {doc}")
     return "\n".join(lines)

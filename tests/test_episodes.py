@@ -72,7 +72,8 @@ class ScriptedGenerator:
 
 
 def prompt_ids(tok, question):
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -97,7 +98,8 @@ def test_token_ids_are_reused_and_tool_tokens_masked(tok):
     model = [t for t, m in zip(c.token_ids, c.mask) if m]
     tool = [t for t, m in zip(c.token_ids, c.mask) if not m]
     assert text_of(tool) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
-    assert text_of(model).startswith("k=1 <tool_call>") and text_of(model).endswith("The answer is 5.<|im_end|>")
+    assert text_of(model).startswith("k=1 <tool_call>")
+    assert text_of(model).endswith("The answer is 5.<|im_end|>")
     # The second turn's prompt was exactly prompt + the engine's first turn + the tool suffix.
     second_prompt = prompts[0] + c.token_ids[: len(c.mask) - c.mask[::-1].index(False)]
     assert second_prompt in gen.calls[1][0]

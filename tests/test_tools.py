@@ -41,7 +41,8 @@ def test_sandbox_cannot_read_the_runs_files(tmp_path):
 def test_sandbox_cannot_read_an_environment_variable_of_the_run(monkeypatch):
     monkeypatch.setenv("RLHF_TEST_SECRET", "s3cr3t-value-828")
     code = ("import os\nprint(dict(os.environ))\n"
-            "try:\n    print(open(f'/proc/{os.getppid()}/environ').read())\nexcept Exception as e:\n    print(e)")
+            "try:\n    print(open(f'/proc/{os.getppid()}/environ').read())\n"
+            "except Exception as e:\n    print(e)")
     r = run_python(code)
     assert "s3cr3t-value-828" not in r.output and "HOME" in r.output
 
@@ -64,13 +65,15 @@ def test_sandbox_output_is_truncated():
 
 
 def test_sandbox_cannot_start_a_process():
-    r = run_python("import subprocess\nprint(subprocess.run(['echo', 'ran'.upper()], capture_output=True).stdout)")
+    r = run_python("import subprocess\n"
+                   "print(subprocess.run(['echo', 'ran'.upper()], capture_output=True).stdout)")
     assert "RAN" not in r.output and "PermissionError" in r.output
 
 
 # ---- calculator ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("expr,value", [("2 + 3 * 4", "14"), ("(1 + 5) / 4", "1.5"), ("sqrt(16) + 2**3", "12"),
+@pytest.mark.parametrize("expr,value", [("2 + 3 * 4", "14"), ("(1 + 5) / 4", "1.5"),
+                                        ("sqrt(16) + 2**3", "12"),
                                         ("-7 // 2", "-4"), ("max(3, 9) % 4", "1")])
 def test_calculator_evaluates_arithmetic(expr, value):
     assert calculator(expr) == value
@@ -136,7 +139,8 @@ def test_tool_specs_load_or_fail_as_one_config_line():
     tools = load_tools(["rlhf.tools:calculator", "rlhf.tools:python"])
     assert list(tools) == ["calculator", "python"]
     assert "calculator(expression: str)" in describe_tools(tools)
-    for bad in (["rlhf.tools:nope"], ["no_such_module_xyz:fn"], ["rlhf.tools:calculator", "rlhf.tools:calculator"]):
+    twice = ["rlhf.tools:calculator", "rlhf.tools:calculator"]
+    for bad in (["rlhf.tools:nope"], ["no_such_module_xyz:fn"], twice):
         with pytest.raises(ConfigError) as e:
             load_tools(bad)
         assert "\n" not in str(e.value) and "env.tools[" in str(e.value)
@@ -157,5 +161,6 @@ def test_sandbox_memory_is_limited():
 
 
 def test_sandbox_limits_cannot_be_raised_by_the_code():
-    r = run_python("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\nprint('raised'.upper())")
+    r = run_python("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\n"
+                   "print('raised'.upper())")
     assert "RAISED" not in r.output

@@ -11,7 +11,8 @@ from tests.runs import run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
-ENV_KEYS = ["env/turns_mean", "env/tool_calls", "env/tool_errors", "env/tool_timeouts", "env/masked_token_frac",
+ENV_KEYS = ["env/turns_mean", "env/tool_calls", "env/tool_errors", "env/tool_timeouts",
+            "env/masked_token_frac",
             "env/end/answer", "env/end/max_turns", "env/end/token_budget"]
 
 
