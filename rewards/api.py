@@ -110,10 +110,10 @@ def resolve_spec(spec: str) -> str:
     return spec
 
 
-def _import_file(path_text: str, spec: str) -> Any:
+def _import_file(path_text: str, spec: str, kind: str = "reward") -> Any:
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
-        raise RewardLoadError(f"reward file '{path}' does not exist (spec '{spec}')")
+        raise RewardLoadError(f"{kind} file '{path}' does not exist (spec '{spec}')")
     # One synthetic module per file, reused on the next load so module-level state is shared.
     stem = re.sub(r"\W", "_", path.stem)
     mod_name = f"_reward_file_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
@@ -121,7 +121,7 @@ def _import_file(path_text: str, spec: str) -> Any:
         return sys.modules[mod_name]
     file_spec = importlib.util.spec_from_file_location(mod_name, path)
     if file_spec is None or file_spec.loader is None:
-        raise RewardLoadError(f"reward file '{path}' cannot be imported as Python (spec '{spec}')")
+        raise RewardLoadError(f"{kind} file '{path}' cannot be imported as Python (spec '{spec}')")
     module = importlib.util.module_from_spec(file_spec)
     sys.modules[mod_name] = module  # before exec: dataclasses and pickling look the module up
     try:
@@ -131,19 +131,19 @@ def _import_file(path_text: str, spec: str) -> Any:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         raise RewardLoadError(
-            f"reward file '{path}' failed to import: {type(e).__name__}: {_one_line(e)}") from None
+            f"{kind} file '{path}' failed to import: {type(e).__name__}: {_one_line(e)}") from None
     _FILE_MODULES[mod_name] = str(path)
     return module
 
 
-def _import_module(name: str, spec: str) -> Any:
+def _import_module(name: str, spec: str, kind: str = "reward") -> Any:
     try:
         return importlib.import_module(name)
     except ImportError as e:
         raise RewardLoadError(
-            f"reward module '{name}' is not importable: {_one_line(e)} (spec '{spec}')") from None
+            f"{kind} module '{name}' is not importable: {_one_line(e)} (spec '{spec}')") from None
     except Exception as e:
-        raise RewardLoadError(f"reward module '{name}' failed to import: "
+        raise RewardLoadError(f"{kind} module '{name}' failed to import: "
                               f"{type(e).__name__}: {_one_line(e)} (spec '{spec}')") from None
 
 
@@ -179,18 +179,27 @@ def load_reward_fn(spec: str) -> RewardFn:
     ...
     rewards.api.RewardLoadError: reward module 'rewards.answers' has no attribute 'nope' (spec ...)
     """
+    fn = load_function(spec)
+    _check_signature(fn, spec)
+    return fn
+
+
+def load_function(spec: str, kind: str = "reward") -> Callable[..., Any]:
+    """The callable a `"package.module:function"` or `"path/to/file.py:function"` spec names,
+    with no check of its signature (tools use this too: `kind` names what it is in messages).
+    Every problem raises RewardLoadError, one line."""
     target, name = _split_spec(spec)
-    module = _import_file(target, spec) if _is_file_target(target) else _import_module(target, spec)
+    module = (_import_file(target, spec, kind) if _is_file_target(target)
+              else _import_module(target, spec, kind))
     obj: Any = module
     for part in name.split("."):
         if not hasattr(obj, part):
-            where = f"reward file '{_FILE_MODULES.get(module.__name__)}'" if _is_file_target(target) \
-                else f"reward module '{target}'"
+            where = f"{kind} file '{_FILE_MODULES.get(module.__name__)}'" if _is_file_target(target) \
+                else f"{kind} module '{target}'"
             raise RewardLoadError(f"{where} has no attribute '{name}' (spec '{spec}')")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise RewardLoadError(f"reward spec '{spec}' names a {type(obj).__name__}, not a function")
-    _check_signature(obj, spec)
+        raise RewardLoadError(f"{kind} spec '{spec}' names a {type(obj).__name__}, not a function")
     return obj
 
 

@@ -112,6 +112,20 @@ class RewardConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    tools: tuple[str, ...] = ()
+    """Tools the model may call while it reasons (`rlhf.env.tools:calculator`, `rlhf.env.tools:python`,
+    `path/to/file.py:function`); set, GRPO samples multi-turn episodes (rlhf.env.episodes) and trains on
+    the model's own tokens only. Empty: single-turn completions."""
+    max_turns: int = 4
+    """Model turns per episode; an episode still calling tools after this many ends (`max_turns`)."""
+    tool_timeout_s: float = 10.0
+    """Per-call time limit of a tool; a call past it is cut and the model reads a time-out error."""
+    max_tool_output_chars: int = 2000
+    """Characters of a tool's output the model reads; the rest is cut."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class GRPOConfig:
     steps: int = 20
     prompts_per_step: int = 8
@@ -322,6 +336,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)

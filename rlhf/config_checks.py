@@ -39,7 +39,7 @@ def check(ok: bool, key: str, allowed: str, value: Any) -> None:
 
 def validate(c: RunConfig) -> None:
     """Every check below, section by section."""
-    for section in (_run, _grpo, _dpo, _eval, _learner, _generation, _reward, _data, _cluster):
+    for section in (_run, _grpo, _dpo, _eval, _learner, _generation, _reward, _env, _data, _cluster):
         section(c)
     if c.algorithm == "grpo":
         _grpo_can_learn(c)
@@ -151,6 +151,17 @@ def _reward(c: RunConfig) -> None:
         check(math.isfinite(fn.weight), f"reward.functions[{i}].weight", "a finite number", fn.weight)
 
 
+def _env(c: RunConfig) -> None:
+    e = c.env
+    check(e.max_turns >= 1, "env.max_turns", "an integer >= 1", e.max_turns)
+    check(e.tool_timeout_s > 0, "env.tool_timeout_s", "a number > 0 (seconds)", e.tool_timeout_s)
+    check(e.max_tool_output_chars >= 1, "env.max_tool_output_chars", "an integer >= 1",
+          e.max_tool_output_chars)
+    for i, spec in enumerate(e.tools):
+        check(isinstance(spec, str) and ":" in spec, f"env.tools[{i}]",
+              "'package.module:function' or 'path/to/file.py:function'", spec)
+
+
 def _data(c: RunConfig) -> None:
     check(c.data.num_train >= 1, "data.num_train", "an integer >= 1", c.data.num_train)
     check(c.data.num_eval >= 0, "data.num_eval", "an integer >= 0", c.data.num_eval)
@@ -203,7 +214,12 @@ def _grpo_can_learn(c: RunConfig) -> None:
 def check_files(c: RunConfig) -> None:
     """The files the config names that nothing else reads before Ray starts (the launch calls this;
     `validate` never touches the disk): `learner.deepspeed_config`, a JSON object, read by every
-    DeepSpeed learner rank in its constructor. A JSON error names the file and line."""
+    DeepSpeed learner rank in its constructor. A JSON error names the file and line. And `env.tools`:
+    each spec imported, so a tool that fails to is one line before start-up."""
+    if c.env.tools:
+        from rlhf.env.tools import load_tools
+
+        load_tools(c.env.tools)
     name = c.learner.deepspeed_config
     if not name or c.learner.backend != "deepspeed":
         return

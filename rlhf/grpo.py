@@ -42,6 +42,7 @@ from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
 from rlhf.data.batching import rollouts_to_batch
 from rlhf.data.prompts import PromptStream
+from rlhf.env.episodes import EpisodeSampler, with_env_rewards
 from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
 from rlhf.protocols import Cluster, Generator
@@ -58,7 +59,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
     supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
     """
-    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg)  # choice 8
+    episodes = EpisodeSampler.from_config(cfg, cluster.generator, tokenizer)  # multi-turn with env.tools
+    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # choice 8
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
     evaluator = Evaluator.from_config(cfg, tokenizer) if cfg.eval_every else None
@@ -76,8 +78,9 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         with timer("reward"):
             rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
                 [rollouts.rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
-                [c.token_ids for c in rollouts.completions],  # the scorer decodes them, in one batch
+                [c.model_token_ids() for c in rollouts.completions],  # the scorer decodes them, in one batch
             )
+            rollouts.rewards = with_env_rewards(rollouts.rewards, rollouts.completions)
         reward_health.check(rollouts.reward_metrics)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)

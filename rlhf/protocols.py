@@ -110,8 +110,8 @@ class RewardScorer(Protocol):
     def score(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
               ) -> tuple[torch.Tensor, dict[str, float]]:
         """rows[i] is the prompt row of completion i, token_ids[i] its generated ids
-        (`Completion.token_ids`). Returns rewards [N] and metrics (per-function means, failures,
-        timeouts)."""
+        (`Completion.model_token_ids()`: of a multi-turn episode, the model's own turns). Returns
+        rewards [N] and metrics (per-function means, failures, timeouts)."""
         ...
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from rlhf.config import RunConfig
 from rlhf.data.prompts import PromptStream
+from rlhf.env.episodes import EpisodeSampler
 from rlhf.protocols import Generator, PendingGeneration
 from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec
 
@@ -64,8 +65,10 @@ class _Queued:
 class RolloutQueue:
     """The generations of the coming steps (choice 1); `state_dict` makes it part of a checkpoint."""
 
-    def __init__(self, generator: Generator, prompts: PromptStream, cfg: RunConfig) -> None:
+    def __init__(self, generator: Generator, prompts: PromptStream, cfg: RunConfig,
+                 episodes: EpisodeSampler | None = None) -> None:
         self.generator, self.prompts, self.cfg = generator, prompts, cfg
+        self.episodes = episodes  # multi-turn with tools (rlhf.env.episodes); generated when submitted
         self.ahead = cfg.grpo.max_staleness
         self._queue: deque[_Queued] = deque()
 
@@ -91,7 +94,10 @@ class RolloutQueue:
     def _submit(self, step: int, version: int) -> None:
         rows, prompt_ids = map(list, zip(*self.prompts.take(self.cfg.grpo.prompts_per_step)))
         item = _Queued(step=step, version=version, rows=rows, prompt_ids=prompt_ids)
-        item.pending = self.generator.submit(prompt_ids, sampling_spec(self.cfg, step))
+        if self.episodes is not None:
+            item.pending = Finished(*self.episodes(rows, prompt_ids, sampling_spec(self.cfg, step)))
+        else:
+            item.pending = self.generator.submit(prompt_ids, sampling_spec(self.cfg, step))
         self._queue.append(item)
 
     def state_dict(self) -> dict[str, Any]:

@@ -74,11 +74,22 @@ class Completion:
     logprobs:  the sampler's log-prob of each generated token (same length as token_ids);
                compared with the learner's to measure train/inference mismatch.
     finish_reason: "stop" (EOS) or "length" (max_new_tokens reached).
+    mask:      a multi-turn episode's (rlhf.env.episodes): True on the model's own tokens, False on
+               tool outputs and template tokens (trained on: the True ones); None: all the model's.
+    reward:    a multi-turn episode's reward from its environment; None: reward.functions score it.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    mask: list[bool] | None = None
+    reward: float | None = None
+
+    def model_token_ids(self) -> list[int]:
+        """The tokens the model wrote (all of them unless `mask` says otherwise): what rewards score."""
+        if self.mask is None:
+            return self.token_ids
+        return [t for t, m in zip(self.token_ids, self.mask) if m]
 
 
 @dataclass

@@ -26,7 +26,7 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     """Concatenate prompt and completion ids of every rollout into a right-padded [B, T] batch.
 
     Rollout i is prompt i // G followed by completion i. The loss mask covers completion tokens
-    only; the sampler's log-probs are placed at the positions of the tokens they score.
+    only (of a multi-turn episode, those its `mask` marks as the model's); the sampler's log-probs are placed at the positions of the tokens they score.
     """
     g = rollouts.group_size
     prompts = [rollouts.prompt_ids[i // g] for i in range(len(rollouts.completions))]
@@ -35,6 +35,8 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)
     for i, (p, c) in enumerate(zip(prompts, rollouts.completions)):
         sampler_lp[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
+        if c.mask is not None:  # a multi-turn episode: its model tokens only (rlhf.env.episodes choice 4)
+            loss_mask[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.mask, dtype=torch.bool)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -1,0 +1,279 @@
+"""Multi-turn episodes: the model writes a turn, an environment answers (tool outputs) or ends the
+episode, until an answer, `env.max_turns` or the token budget.
+
+    class Guess:                                   # a whole environment
+        def __init__(self, row: PromptRow): self.answer = row.answer
+        def step(self, turn: str) -> Observation:
+            return Observation(done=True, reward=float(self.answer in turn))
+
+    completions, metrics = run_episodes(generator, rows, prompt_ids, sampling, Guess, suffix)
+
+Choices:
+1. An environment is a callable `row -> episode` whose episode has `step(turn_text) -> Observation`:
+   messages to append (rendered through the chat template) or `done` with an optional reward.
+   `ToolEnvironment` is the built-in one: tool calls in the turn run (rlhf.env.tools), their outputs
+   come back as `tool` messages; a turn without a tool call is the answer.
+2. One `Generator.generate` call per turn over every active episode of the step, so turns batch
+   across the data-parallel engines as single-turn steps do. The first turn samples the G episodes
+   of a prompt as today (`sampling.n` = G, the same seeds); from then on each episode is its own
+   prompt with n=1, seeded from `sampling.prompt_seed` of a turn index outside the prompts' range,
+   so a run's episodes are reproducible.
+3. Token ids are never re-tokenized: the next turn's prompt is the previous prompt's ids, the ids
+   the engine produced, then the tokenized environment messages (`ChatSuffix`). What the learner
+   trains on is exactly what the engine saw and sampled.
+4. An episode is one training row: prompt, then model and environment tokens interleaved, as one
+   `Completion` whose `mask` is True on the model's tokens only; its `logprobs` are the engine's
+   on those tokens and 0 elsewhere (masked out of the loss and the mismatch metric).
+5. The token budget is `sampling.max_new_tokens` for the whole episode (model and environment
+   tokens together), so a row is never longer than a single-turn one. A turn that reaches it, or
+   environment messages that would pass it, end the episode (`token_budget`); a turn is cut at the
+   budget even if the engine sampled past it (one max_new_tokens serves a whole turn's call).
+6. Rewards: an episode ended with `Observation.reward` keeps it; otherwise (`reward` None, as the
+   tool environment does) `reward.functions` score the model's own tokens (`Completion.model_token_ids`:
+   every turn, tool outputs left out, so an answer copied from a tool's output still has to be written).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from rlhf.protocols import Generator
+from rlhf.env.tools import ToolBox, parse_tool_calls
+from rlhf.types import Completion, PromptRow, SamplingSpec
+
+if TYPE_CHECKING:
+    from rlhf.config import RunConfig
+
+ENDS = ("answer", "max_turns", "token_budget")
+"""Why an episode ended: the model answered (or the environment said done), it used `max_turns`
+turns, or the token budget ran out (choice 5)."""
+
+
+@dataclass
+class Observation:
+    """An environment's answer to one model turn."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    """Chat messages appended after the turn (e.g. `{"role": "tool", "content": ...}`)."""
+    done: bool = False
+    """The episode is over (the turn was the answer)."""
+    reward: float | None = None
+    """The episode's reward when `done`; None leaves it to reward.functions (choice 6)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Events of this step to add to the metrics (`tool_calls`, `tool_errors`, `tool_timeouts`)."""
+
+
+class Episode(Protocol):
+    def step(self, turn: str) -> Observation: ...
+
+
+Environment = Callable[[PromptRow], Episode]
+"""`row -> episode` (choice 1): a class taking a PromptRow is one."""
+
+
+@dataclass
+class ToolEpisode:
+    """The built-in episode: run the turn's tool calls, or end on a turn without one."""
+
+    toolbox: ToolBox
+
+    def step(self, turn: str) -> Observation:
+        calls = parse_tool_calls(turn)
+        if not calls:
+            return Observation(done=True)
+        results = [self.toolbox.run(call) for call in calls]
+        counts = Counter(tool_calls=len(results), tool_errors=sum(r.status == "error" for r in results),
+                         tool_timeouts=sum(r.status == "timeout" for r in results))
+        messages = [{"role": "tool", "content": r.text} for r in results]
+        return Observation(messages=messages, counts=dict(counts))
+
+
+@dataclass
+class ToolEnvironment:
+    """`row -> ToolEpisode` over one shared ToolBox."""
+
+    toolbox: ToolBox
+
+    def __call__(self, row: PromptRow) -> ToolEpisode:
+        return ToolEpisode(self.toolbox)
+
+
+class ChatSuffix:
+    """Token ids of environment messages rendered by the tokenizer's chat template, as they follow an
+    assistant turn the engine ended (choice 3).
+
+    The template renders a fixed conversation ending in an assistant turn whose content is a marker,
+    then the messages and the next assistant prompt; the text after the marker is the suffix. When
+    the engine's turn ended with the token that closes a turn (EOS, e.g. `<|im_end|>`) that token's
+    text is dropped from the suffix: the engine already produced it. Works for ChatML (role `tool`
+    as its own turn) and Qwen2.5's template (tool messages wrapped in a user turn's
+    `<tool_response>`) alike, since the template decides."""
+
+    MARKER = "\x00RLHF-TURN\x00"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, messages: list[dict[str, str]], last_token: int | None) -> list[int]:
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": self.MARKER}]
+        text = self.tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
+        text = text[text.index(self.MARKER) + len(self.MARKER):]
+        if last_token is not None:
+            closing = self.tokenizer.decode([last_token])
+            if closing and text.startswith(closing):
+                text = text[len(closing):]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class _Run:
+    """One episode in progress."""
+
+    prompt_ids: list[int]
+    episode: Episode
+    token_ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    end: str | None = None
+    reward: float | None = None
+    counts: Counter = field(default_factory=Counter)
+
+
+def run_episodes(generator: Generator, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]],
+                 sampling: SamplingSpec, environment: Environment,
+                 suffix: Callable[[list[dict[str, str]], int | None], list[int]],
+                 *, max_turns: int, decode: Callable[[list[int]], str], workers: int = 8
+                 ) -> tuple[list[Completion], dict[str, float]]:
+    """`sampling.n` episodes per prompt, grouped like `Generator.generate`'s completions
+    (result[i*n:(i+1)*n] answer prompt i), and the step's metrics (`env/...`, summed engine figures).
+
+    `suffix(messages, last_token)` tokenizes environment messages (`ChatSuffix`); `decode` turns a
+    turn's ids into the text the environment reads."""
+    g, budget = sampling.n, sampling.max_new_tokens
+    runs = [_Run(list(p), environment(row)) for row, p in zip(rows, prompt_ids) for _ in range(g)]
+    engine: Counter = Counter()
+    completions = generator.generate(prompt_ids, sampling)  # turn 1: the groups as single-turn (choice 2)
+    active = list(range(len(runs)))
+    turn = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
+        while True:
+            _add_engine_metrics(engine, generator.last_metrics())
+            turn_text = {i: decode(_take_turn(runs[i], c, budget)) for i, c in zip(active, completions)}
+            stepping = [i for i in active if runs[i].end is None]
+            for i, obs in zip(stepping, pool.map(lambda i: runs[i].episode.step(turn_text[i]), stepping)):
+                _observe(runs[i], obs, suffix, max_turns, budget)
+            active = [i for i in active if runs[i].end is None]
+            if not active:
+                break
+            turn += 1
+            left = max(budget - len(runs[i].token_ids) for i in active)
+            spec = replace(sampling, n=1, max_new_tokens=left, seed=sampling.prompt_seed(2**40 + turn))
+            completions = generator.generate([runs[i].prompt_ids + runs[i].token_ids for i in active], spec)
+    return [_completion(r) for r in runs], _metrics(runs, engine)
+
+
+def _take_turn(run: _Run, c: Completion, budget: int) -> list[int]:
+    """Append the engine's turn (cut at the budget) to the episode; the turn's ids."""
+    ids, lps = c.token_ids[: budget - len(run.token_ids)], c.logprobs[: budget - len(run.token_ids)]
+    run.token_ids += ids
+    run.logprobs += lps
+    run.mask += [True] * len(ids)
+    run.turns += 1
+    if len(run.token_ids) >= budget and (c.finish_reason == "length" or len(ids) < len(c.token_ids)):
+        run.end = "token_budget"
+    return ids
+
+
+def _observe(run: _Run, obs: Observation, suffix: Callable, max_turns: int, budget: int) -> None:
+    """Apply the environment's answer: end the episode, or append its messages' tokens."""
+    run.counts.update(obs.counts)
+    if obs.done:
+        run.end, run.reward = "answer", obs.reward
+        return
+    if run.turns >= max_turns:
+        run.end = "max_turns"
+        return
+    ids = suffix(obs.messages, run.token_ids[-1] if run.token_ids else None)
+    if len(run.token_ids) + len(ids) >= budget:  # no room left for the model to write
+        run.end = "token_budget"
+        return
+    run.token_ids += ids
+    run.logprobs += [0.0] * len(ids)
+    run.mask += [False] * len(ids)
+
+
+def _completion(run: _Run) -> Completion:
+    return Completion(token_ids=run.token_ids, logprobs=run.logprobs,
+                      finish_reason="length" if run.end == "token_budget" else "stop",
+                      mask=run.mask, reward=run.reward)
+
+
+def _add_engine_metrics(total: Counter, metrics: dict[str, float]) -> None:
+    """Per-engine tokens and seconds add up over turns; other figures (ratios) keep their maximum."""
+    for k, v in metrics.items():
+        total[k] = total[k] + v if k.endswith(("_tokens", "_s")) else max(total.get(k, v), v)
+
+
+def _metrics(runs: list[_Run], engine: Counter) -> dict[str, float]:
+    """The step's episode figures: turns, tool calls by outcome, masked tokens, endings by cause."""
+    n = len(runs)
+    counts = sum((r.counts for r in runs), Counter())
+    tokens = sum(len(r.mask) for r in runs)
+    masked = sum(len(r.mask) - sum(r.mask) for r in runs)
+    out = {
+        "env/turns_mean": sum(r.turns for r in runs) / n,
+        "env/turns_max": float(max(r.turns for r in runs)),
+        "env/tool_calls": float(counts["tool_calls"]),
+        "env/tool_calls_per_episode": counts["tool_calls"] / n,
+        "env/tool_errors": float(counts["tool_errors"]),
+        "env/tool_timeouts": float(counts["tool_timeouts"]),
+        "env/masked_token_frac": masked / max(tokens, 1),
+        **{f"env/end/{cause}": sum(r.end == cause for r in runs) / n for cause in ENDS},
+    }
+    return {**dict(engine), **out}
+
+
+@dataclass
+class EpisodeSampler:
+    """What the rollout queue calls instead of `Generator.submit` when `env.tools` is set:
+    `sampler(rows, prompt_ids, sampling) -> (completions, metrics)` (run_episodes, synchronous)."""
+
+    generator: Generator
+    environment: Environment
+    suffix: ChatSuffix
+    decode: Callable[[list[int]], str]
+    max_turns: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
+        """The tool environment of `env`, or None when `env.tools` is empty (single-turn GRPO)."""
+        if not cfg.env.tools:
+            return None
+        box = ToolBox.from_specs(cfg.env.tools, timeout_s=cfg.env.tool_timeout_s,
+                                 max_output_chars=cfg.env.max_tool_output_chars)
+        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode,
+                   cfg.env.max_turns)
+
+    def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
+                 ) -> tuple[list[Completion], dict[str, float]]:
+        return run_episodes(self.generator, rows, prompt_ids, sampling, self.environment, self.suffix,
+                            max_turns=self.max_turns, decode=self.decode)
+
+
+def with_env_rewards(rewards: torch.Tensor, completions: Sequence[Completion]) -> torch.Tensor:
+    """The reward functions' scores with each episode's environment reward, where it gave one, in
+    their place (choice 6)."""
+    env = [(i, c.reward) for i, c in enumerate(completions) if c.reward is not None]
+    if not env:
+        return rewards
+    out = rewards.clone()
+    for i, r in env:
+        out[i] = r
+    return out

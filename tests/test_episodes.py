@@ -1,0 +1,188 @@
+"""Multi-turn episodes (rlhf.env.episodes) driven by a scripted generator and the tiny ChatML tokenizer:
+token ids reused as the engine produced them, masks that leave out tool tokens, engine log-probs on
+exactly the model's tokens, endings by cause, and one TrainBatch for episodes of different lengths."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from rlhf.algo.advantages import grpo_advantages
+from rlhf.data.batching import rollouts_to_batch
+from rlhf.env.episodes import ChatSuffix, Observation, ToolEnvironment, run_episodes
+from rlhf.data.tiny_models import build_tokenizer
+from rlhf.env.tools import ToolBox
+from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+def call(name: str, args: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {args}}}</tool_call>'
+
+
+# What sample k of a group writes at turn t (its first turn carries `k=<k>` so later turns find it).
+SCRIPT = {
+    0: ["The answer is 5."],                                                   # answers at once
+    1: [call("add", '{"a": 2, "b": 3}'), "The answer is 5."],                   # one call, then answers
+    2: ["<tool_call>{not json</tool_call>", call("search", '{"q": 1}'),          # bad JSON, unknown tool,
+        call("add", '{"x": 1}'), "The answer is 5."],                           # wrong arguments
+    3: [call("add", '{"a": 1, "b": 1}')] * 10,                                  # never stops calling
+}
+
+
+class ScriptedGenerator:
+    """Generator whose turns come from SCRIPT; log-prob of token id t is -t/1000 (checkable)."""
+
+    def __init__(self, tok, script=SCRIPT):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, prompt_ids, sampling):
+        self.calls.append(([list(p) for p in prompt_ids], sampling))
+        out = []
+        for p in prompt_ids:
+            text = self.tok.decode(p)
+            turn = text.count("<|im_start|>assistant") - 1
+            for k in range(sampling.n):
+                if turn > 0:
+                    k = int(re.search(r"k=(\d)", text).group(1))
+                body = self.script[k][min(turn, len(self.script[k]) - 1)]
+                ids = self.tok.encode((f"k={k} " if turn == 0 else "") + body, add_special_tokens=False)
+                ids.append(self.tok.eos_token_id)
+                finish = "stop"
+                if len(ids) > sampling.max_new_tokens:
+                    ids, finish = ids[: sampling.max_new_tokens], "length"
+                out.append(Completion(ids, [-t / 1000 for t in ids], finish))
+        return out
+
+    def last_metrics(self):
+        return {"gen/engine0_tokens": 10.0, "gen/engine0_s": 1.0, "gen/engine_time_ratio": 1.0}
+
+
+def prompt_ids(tok, question):
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def episodes(tok, *, max_turns=4, budget=400, script=SCRIPT, tools=None):
+    rows = [PromptRow(prompt="What is 2 + 3?", answer="5"), PromptRow(prompt="What is 1 + 4?", answer="5")]
+    prompts = [prompt_ids(tok, r.prompt) for r in rows]
+    gen = ScriptedGenerator(tok, script)
+    box = ToolBox(tools or {"add": add}, timeout_s=2.0)
+    spec = SamplingSpec(n=G, max_new_tokens=budget, seed=7)
+    completions, metrics = run_episodes(gen, rows, prompts, spec, ToolEnvironment(box), ChatSuffix(tok),
+                                        max_turns=max_turns, decode=tok.decode)
+    return rows, prompts, gen, completions, metrics
+
+
+def test_token_ids_are_reused_and_tool_tokens_masked(tok):
+    rows, prompts, gen, completions, metrics = episodes(tok)
+    # Turn 1 is the single-turn call; later turns are one call over the active episodes, n=1, seeded.
+    assert gen.calls[0][1].n == G and gen.calls[0][0] == prompts
+    assert all(s.n == 1 and s.seed is not None for _, s in gen.calls[1:])
+    c = completions[1]  # prompt 0, sample 1: call, tool output, answer
+    text_of = lambda ids: tok.decode(ids)  # noqa: E731
+    model = [t for t, m in zip(c.token_ids, c.mask) if m]
+    tool = [t for t, m in zip(c.token_ids, c.mask) if not m]
+    assert text_of(tool) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert text_of(model).startswith("k=1 <tool_call>")
+    assert text_of(model).endswith("The answer is 5.<|im_end|>")
+    # The second turn's prompt was exactly prompt + the engine's first turn + the tool suffix.
+    second_prompt = prompts[0] + c.token_ids[: len(c.mask) - c.mask[::-1].index(False)]
+    assert second_prompt in gen.calls[1][0]
+    # Engine log-probs on the model's tokens, 0 on the tool's.
+    for t, m, lp in zip(c.token_ids, c.mask, c.logprobs):
+        assert lp == (-t / 1000 if m else 0.0)
+    assert c.model_token_ids() == model
+
+
+def test_episodes_end_by_cause_and_count_tool_errors(tok):
+    _, _, _, completions, metrics = episodes(tok, max_turns=4)
+    assert metrics["env/end/answer"] == pytest.approx(6 / 8)  # samples 0, 1, 2 of both prompts
+    assert metrics["env/end/max_turns"] == pytest.approx(2 / 8)  # sample 3 calls forever
+    assert metrics["env/end/token_budget"] == 0
+    # per prompt: sample 1 one call, sample 2 three bad ones, sample 3 four (the environment runs the
+    # last turn's call too, then max_turns ends the episode before its output is appended)
+    assert metrics["env/tool_calls"] == 2 * (1 + 3 + 4)
+    assert metrics["env/tool_errors"] == 2 * 3
+    assert metrics["env/turns_mean"] == pytest.approx((1 + 2 + 4 + 4) / 4)
+    assert metrics["env/turns_max"] == 4
+    assert metrics["gen/engine0_tokens"] == 10.0 * 4  # four generate calls, summed
+    bad = tok.decode([t for t, m in zip(completions[2].token_ids, completions[2].mask) if not m])
+    assert "invalid JSON" in bad and "unknown tool 'search'" in bad and "wrong arguments for add" in bad
+    assert all(c.finish_reason == "stop" and c.reward is None for c in completions)
+
+
+def test_token_budget_ends_an_episode(tok):
+    # 60 tokens: sample 3's calls outgrow it (the turn is cut at the budget, finish "length").
+    _, _, _, completions, metrics = episodes(tok, max_turns=20, budget=60)
+    assert metrics["env/end/token_budget"] > 0
+    assert all(len(c.token_ids) <= 60 for c in completions)
+    assert any(c.finish_reason == "length" for c in completions)
+
+
+def test_tool_output_that_would_pass_the_budget_ends_the_episode(tok):
+    def shout(text: str) -> str:
+        return "A" * 5000
+
+    script = {k: [call("shout", '{"text": "hi"}'), "done"] for k in range(G)}
+    _, _, _, completions, metrics = episodes(tok, budget=100, script=script, tools={"shout": shout})
+    assert metrics["env/end/token_budget"] == 1.0
+    assert all(all(c.mask) for c in completions)  # no tool tokens were appended
+
+
+def test_episodes_of_different_lengths_make_one_train_batch(tok):
+    rows, prompts, _, completions, metrics = episodes(tok)
+    rollouts = RolloutBatch(rows=rows, prompt_ids=prompts, completions=completions, group_size=G)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    batch = rollouts_to_batch(rollouts, grpo_advantages(rewards, G), pad_id=tok.pad_token_id)
+    assert batch.input_ids.shape[0] == 8
+    assert len({len(c.token_ids) for c in completions}) > 2  # lengths really differ
+    for i, c in enumerate(completions):
+        p = prompts[i // G]
+        row = batch.input_ids[i]
+        assert row[: len(p) + len(c.token_ids)].tolist() == p + c.token_ids
+        # the loss mask, token by token: the model's tokens only, never prompt, tool or padding
+        expected = [False] * len(p) + c.mask + [False] * (row.numel() - len(p) - len(c.token_ids))
+        assert batch.loss_mask[i].tolist() == expected
+        lp = batch.sampler_logprobs[i]
+        assert torch.allclose(lp[batch.loss_mask[i]], -row[batch.loss_mask[i]].float() / 1000)
+        assert (lp[~batch.loss_mask[i]] == 0).all()
+    masked = sum(c.mask.count(False) for c in completions) / sum(len(c.mask) for c in completions)
+    assert metrics["env/masked_token_frac"] == pytest.approx(masked)
+
+
+def test_a_user_environment_in_a_few_lines(tok):
+    class Guess:
+        def __init__(self, row: PromptRow):
+            self.answer, self.turns = row.answer, 0
+
+        def step(self, turn: str) -> Observation:
+            self.turns += 1
+            if self.answer in turn or self.turns == 2:
+                return Observation(done=True, reward=float(self.answer in turn))
+            return Observation(messages=[{"role": "user", "content": "Try again."}])
+
+    script = {k: ["maybe 4", "The answer is 5."] if k % 2 else ["The answer is 5."] for k in range(G)}
+    rows = [PromptRow(prompt="What is 2 + 3?", answer="5")]
+    prompts = [prompt_ids(tok, rows[0].prompt)]
+    completions, metrics = run_episodes(ScriptedGenerator(tok, script), rows, prompts,
+                                        SamplingSpec(n=G, max_new_tokens=200, seed=1), Guess, ChatSuffix(tok),
+                                        max_turns=3, decode=tok.decode)
+    assert [c.reward for c in completions] == [1.0] * G
+    assert metrics["env/turns_mean"] == 1.5
+    retry = tok.decode([t for t, m in zip(completions[1].token_ids, completions[1].mask) if not m])
+    assert retry == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,166 @@
+"""Tools (rlhf.env.tools) and the sandbox of the `python` tool (rlhf.env.sandbox): each limit is checked
+by a test that would fail without it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rlhf.config import ConfigError, config_from_dict
+from rlhf.config_checks import check_files
+from rlhf.env.sandbox import SandboxLimits, run_python
+from rlhf.env.tools import ToolBox, ToolCall, calculator, describe_tools, load_tools, parse_tool_calls, python
+
+
+# ---- sandbox ------------------------------------------------------------------------------------
+
+def test_sandbox_runs_code_and_keeps_its_own_files():
+    r = run_python("open('a.txt', 'w').write('kept'); print(open('a.txt').read(), 6 * 7)")
+    assert r.returncode == 0 and r.output.strip() == "kept 42"
+
+
+def test_sandbox_cannot_open_a_socket():
+    r = run_python("import socket\ns = socket.socket()\nprint('opened')")
+    assert "opened" not in r.output and "PermissionError" in r.output
+
+
+def test_sandbox_cannot_write_outside_its_directory(tmp_path):
+    target = tmp_path / "escaped.txt"
+    r = run_python(f"open({str(target)!r}, 'w').write('x')\nprint('wrote')")
+    assert not target.exists() and "wrote" not in r.output and "PermissionError" in r.output
+
+
+def test_sandbox_cannot_read_the_runs_files(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("run-private-contents")
+    r = run_python(f"print(open({str(secret)!r}).read())")
+    assert "run-private-contents" not in r.output and "PermissionError" in r.output
+
+
+def test_sandbox_cannot_read_an_environment_variable_of_the_run(monkeypatch):
+    monkeypatch.setenv("RLHF_TEST_SECRET", "s3cr3t-value-828")
+    code = ("import os\nprint(dict(os.environ))\n"
+            "try:\n    print(open(f'/proc/{os.getppid()}/environ').read())\n"
+            "except Exception as e:\n    print(e)")
+    r = run_python(code)
+    assert "s3cr3t-value-828" not in r.output and "HOME" in r.output
+
+
+def test_sandbox_busy_loop_is_killed_near_its_limit():
+    start = time.perf_counter()
+    out = python("while True:\n    pass", timeout_s=1.0)
+    assert time.perf_counter() - start < 3.0 and "[killed" in out
+
+
+def test_sandbox_sleeping_code_is_killed_at_the_wall_clock_limit():
+    start = time.perf_counter()
+    r = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.0, cpu_s=5))
+    assert r.timed_out and time.perf_counter() - start < 3.0
+
+
+def test_sandbox_output_is_truncated():
+    r = run_python("print('x' * 100_000)", SandboxLimits(max_output_chars=500))
+    assert len(r.output) < 600 and "truncated" in r.output
+
+
+def test_sandbox_cannot_start_a_process():
+    r = run_python("import subprocess\n"
+                   "print(subprocess.run(['echo', 'ran'.upper()], capture_output=True).stdout)")
+    assert "RAN" not in r.output and "PermissionError" in r.output
+
+
+# ---- calculator ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("expr,value", [("2 + 3 * 4", "14"), ("(1 + 5) / 4", "1.5"),
+                                        ("sqrt(16) + 2**3", "12"),
+                                        ("-7 // 2", "-4"), ("max(3, 9) % 4", "1")])
+def test_calculator_evaluates_arithmetic(expr, value):
+    assert calculator(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('ls')", "(1).__class__", "9 ** 9 ** 9", "x + 1",
+                                  "open('f')"])
+def test_calculator_refuses_everything_else(expr):
+    with pytest.raises(ValueError):
+        calculator(expr)
+
+
+# ---- calls --------------------------------------------------------------------------------------
+
+def test_parse_tool_calls_hermes_convention():
+    text = ('first <tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call> then '
+            '<tool_call>{bad json}</tool_call><tool_call>["not", "an", "object"]</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[0] == ToolCall("calculator", {"expression": "1+1"})
+    assert calls[1].error and "invalid JSON" in calls[1].error
+    assert calls[2].error
+    assert parse_tool_calls("no calls here") == []
+
+
+def hang() -> str:
+    time.sleep(30)
+    return "never"
+
+
+def explode(x: int) -> str:
+    raise RuntimeError(f"boom {x}")
+
+
+def test_toolbox_turns_every_bad_call_into_an_error_observation():
+    box = ToolBox({"calculator": calculator, "explode": explode, "hang": hang}, timeout_s=0.5,
+                  max_output_chars=20)
+    assert box.run(ToolCall("calculator", {"expression": "6*7"})).text == "42"
+    results = {
+        "unknown": box.run(ToolCall("search", {"q": "x"})),
+        "wrong args": box.run(ToolCall("calculator", {"expr": "1"})),
+        "bad json": box.run(parse_tool_calls("<tool_call>{</tool_call>")[0]),
+        "raises": box.run(ToolCall("explode", {"x": 3})),
+        "bad expression": box.run(ToolCall("calculator", {"expression": "import os"})),
+    }
+    assert all(r.status == "error" and r.text.startswith("error:") for r in results.values()), results
+    assert "unknown tool 'search'" in results["unknown"].text and "boom 3" in results["raises"].text
+    start = time.perf_counter()
+    hung = box.run(ToolCall("hang", {}))
+    assert hung.status == "timeout" and time.perf_counter() - start < 2.5
+    long = box.run(ToolCall("calculator", {"expression": "2**200"}))
+    assert long.text.startswith(str(2**200)[:20]) and "truncated" in long.text
+
+
+def test_python_tool_gets_the_configured_time_limit():
+    box = ToolBox({"python": python}, timeout_s=1.0)
+    start = time.perf_counter()
+    result = box.run(ToolCall("python", {"code": "import time\ntime.sleep(30)", "timeout_s": 1000}))
+    assert result.status == "timeout" and time.perf_counter() - start < 3.0
+    assert box.run(ToolCall("python", {"code": "print(sum(range(10)))"})).text.strip() == "45"
+
+
+def test_tool_specs_load_or_fail_as_one_config_line():
+    tools = load_tools(["rlhf.env.tools:calculator", "rlhf.env.tools:python"])
+    assert list(tools) == ["calculator", "python"]
+    assert "calculator(expression: str)" in describe_tools(tools)
+    twice = ["rlhf.env.tools:calculator", "rlhf.env.tools:calculator"]
+    for bad in (["rlhf.env.tools:nope"], ["no_such_module_xyz:fn"], twice):
+        with pytest.raises(ConfigError) as e:
+            load_tools(bad)
+        assert "\n" not in str(e.value) and "env.tools[" in str(e.value)
+    with pytest.raises(ConfigError, match="env.tools"):
+        check_files(config_from_dict({"env": {"tools": ["rlhf.env.tools:nope"]}}))
+
+
+@pytest.mark.parametrize("key,value", [("max_turns", 0), ("tool_timeout_s", 0), ("max_tool_output_chars", 0),
+                                       ("tools", ["no-colon"])])
+def test_env_config_is_validated(key, value):
+    with pytest.raises(ConfigError, match=f"env.{key}"):
+        config_from_dict({"env": {key: value}})
+
+
+def test_sandbox_memory_is_limited():
+    r = run_python("x = bytearray(1024 ** 3)\nprint('allocated'.upper())", SandboxLimits(memory_mb=256))
+    assert "ALLOCATED" not in r.output and "MemoryError" in r.output
+
+
+def test_sandbox_limits_cannot_be_raised_by_the_code():
+    r = run_python("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (-1, -1))\n"
+                   "print('raised'.upper())")
+    assert "RAISED" not in r.output
