@@ -45,7 +45,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler, wrap_lora
+from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
+from actors.learner_base import LearnerRank, make_scheduler
 from actors.torch_extensions import clear_stale_build_locks
 from rlhf.config import LearnerConfig, ModelConfig
 

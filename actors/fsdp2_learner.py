@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from actors.learner_base import LearnerRank, attention_kernel, load_hf_model, make_scheduler, wrap_lora
+from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
+from actors.learner_base import LearnerRank, make_scheduler
 from rlhf.config import LearnerConfig, ModelConfig
 
 

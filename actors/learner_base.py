@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
@@ -64,8 +63,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
+from actors.hf_model import attention_kernel, export_hf, output_head, unwrapped
 from rlhf.algo.logprobs import (
-    LogprobHead,
     align_next_token,
     next_token_targets,
     pack_sequences,
@@ -431,71 +430,3 @@ def make_scheduler(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch
     """Linear warm-up over `warmup_steps` optimizer steps, then constant."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
-
-
-def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
-    """The learner's attention implementation (choice 8): `learner.attention`, where `auto` is
-    FlexAttention for packed rows on a GPU and SDPA otherwise."""
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "flex_attention" if cfg.pack_sequences and device_kind == "cuda" else "sdpa"
-
-
-def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool,
-                  attention: str = "sdpa") -> torch.nn.Module:
-    """The model in fp32 (master weights; the backend casts for compute) with the `attention`
-    kernel, its LM head a `LogprobHead` when `fused_head` (choice 7: swapped before any sharding
-    wrapper sees the model)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if fused_head:
-        model.set_output_embeddings(LogprobHead(model.get_output_embeddings()))
-    return model
-
-
-def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Module, list[str]]:
-    """The model with LoRA adapters on `learner.lora_target_modules` (choice 9) and the resolved
-    target leaf names. PEFT freezes every base parameter; only lora_A/lora_B train. B starts at 0,
-    so the wrapped model computes exactly the base model until the first update."""
-    from peft import LoraConfig, get_peft_model
-
-    from rlhf.lora import target_modules
-
-    targets = target_modules(cfg, model)
-    if cfg.gradient_checkpointing:  # frozen embeddings: checkpointed layers need an input that requires grad
-        model.enable_input_require_grads()
-    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=targets, bias="none")
-    return get_peft_model(model, config), targets
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """A learner's model without DeepSpeed's engine around it (the engine holds it in `.module`)."""
-    return getattr(model, "module", model)
-
-
-def output_head(model: torch.nn.Module) -> LogprobHead:
-    """The LogprobHead of a learner's model."""
-    return unwrapped(model).get_output_embeddings()
-
-
-def export_hf(state: dict[str, torch.Tensor], model_path: str, out: Path) -> None:
-    """An HF folder: the source model's config/tokenizer files plus `state` as safetensors."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    for f in Path(model_path).iterdir():
-        if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out / f.name)
-    tensors = {k: v.contiguous() for k, v in state.items()}
-    # Tied embeddings share storage; safetensors refuses aliases, and HF re-ties on load.
-    seen: dict[int, str] = {}
-    for k in list(tensors):
-        ptr = state[k].data_ptr()
-        if ptr in seen:
-            del tensors[k]
-        seen[ptr] = k
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import os
 import re
 import shutil
@@ -107,13 +106,12 @@ from typing import Any
 import torch
 
 from actors.device import detect, isolate_cpu_compile_cache
+from actors import vllm_worker as rpc  # what runs inside the engine's workers
+from actors.vllm_worker import IpcHandle
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig, RunConfig
 from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
 
-# (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
-IpcHandle = tuple[Callable[..., torch.Tensor], tuple[Any, ...]]
-_IPC_DEVICE_ARG = 6  # position of the device ordinal in reduce_tensor's args (vLLM's ipc_engine uses it too)
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
 _CPU_LORA_MAX_VOCAB = 1024  # the largest vocabulary vLLM-CPU was seen to serve adapters on (choice 12)
 
@@ -194,7 +192,7 @@ class VLLMGenerator:
         copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
         per_prompt = self.cfg.per_prompt_seeds
         if not per_prompt and sampling.seed is not None:  # choice 2: one seed for the call
-            self.llm.collective_rpc(_worker_reseed, args=(sampling.prompt_seed(first_index),))
+            self.llm.collective_rpc(rpc.reseed, args=(sampling.prompt_seed(first_index),))
 
         def params(i: int) -> SamplingParams:
             return SamplingParams(
@@ -231,7 +229,7 @@ class VLLMGenerator:
             self._update_s += time.perf_counter() - start
         elif named_tensors:
             self._begin_update()
-            self._guarded(_worker_load, list(named_tensors))
+            self._guarded(rpc.load_tensors, list(named_tensors))
 
     def update_weights_from_ipc(self, flat: IpcHandle, layout: list[tuple[str, tuple[int, ...], int]]) -> None:
         """Load one bucket sent by a learner on the same GPU (colocated) as one CUDA IPC handle.
@@ -242,7 +240,7 @@ class VLLMGenerator:
         """
         if layout:
             self._begin_update()
-            self._guarded(_worker_load_ipc, flat, layout)
+            self._guarded(rpc.load_ipc, flat, layout)
 
     def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                  world_size: int) -> None:
@@ -251,7 +249,7 @@ class VLLMGenerator:
         must call concurrently: issue this call, then open the learner side, then wait. GPU only,
         untested."""
         args = (master_address, master_port, rank_offset, world_size)
-        self.llm.collective_rpc(_worker_init_nccl, args=args)
+        self.llm.collective_rpc(rpc.init_nccl, args=args)
 
     def update_weights_from_nccl(self, names: list[str], dtypes: list[str],
                                  shapes: list[Sequence[int]]) -> None:
@@ -260,7 +258,7 @@ class VLLMGenerator:
         broadcasts, wait for it after. GPU only, untested."""
         if names:
             self._begin_update()
-            self._guarded(_worker_load_nccl, list(names), list(dtypes), [list(s) for s in shapes])
+            self._guarded(rpc.load_nccl, list(names), list(dtypes), [list(s) for s in shapes])
 
     def finish_weight_update(self) -> float:
         """Close the open update session (no-op if none): finalise the layerwise reload and drop
@@ -273,7 +271,7 @@ class VLLMGenerator:
         if self._lora is not None:
             self._serve_adapter()
         else:
-            self.llm.collective_rpc(_worker_finish_update)
+            self.llm.collective_rpc(rpc.finish_update)
         self.llm.reset_prefix_cache()
         self._stale = False  # a push is always every tensor of the model (iter_weight_buckets)
         seconds, self._update_s = self._update_s + time.perf_counter() - start, 0.0
@@ -307,7 +305,7 @@ class VLLMGenerator:
     def _begin_update(self) -> None:
         if not self._updating:
             self._wake_tags(["weights"])
-            self.llm.collective_rpc(_worker_begin_update)
+            self.llm.collective_rpc(rpc.begin_update)
             self._updating = True
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
@@ -353,7 +351,7 @@ class VLLMGenerator:
         `qkv_proj` / `gate_up_proj`; a tied LM head appears as `lm_head.weight` too. For tests."""
         self.finish_weight_update()
         self._wake_tags(["weights"])
-        return self.llm.collective_rpc(_worker_checksum)[0]
+        return self.llm.collective_rpc(rpc.checksum)[0]
 
     def shutdown(self) -> None:
         """Tear the engine down in this process and free its memory."""
@@ -490,87 +488,3 @@ def _completion(c: Any) -> Completion:
         raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(c.token_ids)} tokens")
     return Completion(token_ids=list(c.token_ids), logprobs=logprobs,
                       finish_reason=c.finish_reason or "length")
-
-
-# ---------------------------------------------------------------------- worker side
-# Sent through `LLM.collective_rpc` and called as fn(worker, *args) inside each vLLM worker: in this
-# process with the in-process engine, pickled by reference when tensor parallelism spawns workers.
-
-
-def _worker_begin_update(worker: Any) -> None:
-    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-    initialize_layerwise_reload(worker.get_model())
-
-
-def _worker_load(worker: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-    worker.get_model().load_weights(named_tensors)
-
-
-def _worker_reseed(worker: Any, seed: int) -> None:
-    torch.manual_seed(seed)  # every device's default generator: what the engine's batch sampling draws from
-
-
-def _worker_load_ipc(worker: Any, flat: IpcHandle, layout: list[tuple[str, tuple[int, ...], int]]) -> None:
-    rebuild, args = flat
-    args = list(args)
-    # Same physical GPU, but the learner may see it under another ordinal: use ours.
-    args[_IPC_DEVICE_ARG] = worker.device.index
-    buffer = rebuild(*args)
-    weights = [(name, buffer[offset: offset + math.prod(shape)].view(shape)) for name, shape, offset in layout]
-    worker.get_model().load_weights(weights)
-    detect().synchronize()  # copies done before the learner may reuse the memory
-
-
-def _worker_init_nccl(worker: Any, master_address: str, master_port: int, rank_offset: int,
-                      world_size: int) -> None:
-    from vllm.distributed.weight_transfer.nccl_common import (
-        NCCLWeightTransferInitInfo,
-        worker_init_process_group,
-    )
-
-    info = NCCLWeightTransferInitInfo(master_address=master_address, master_port=master_port,
-                                      rank_offset=rank_offset, world_size=world_size)
-    worker.rlhf_weight_group = worker_init_process_group(info, worker.parallel_config)
-
-
-def _worker_load_nccl(worker: Any, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-    group = worker.rlhf_weight_group
-    model = worker.get_model()
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=worker.device)
-        group.broadcast(tensor, src=0)  # on the current stream, ordered before the load's copy
-        model.load_weights([(name, tensor)])  # one at a time: memory stays at one tensor
-    detect().synchronize()
-
-
-def _worker_finish_update(worker: Any) -> None:
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    from actors.worker_setup import TIED_LM_HEAD, silence_harmless_warnings
-
-    model = worker.get_model()
-    if getattr(worker.model_config.hf_config, "tie_word_embeddings", False):
-        silence_harmless_warnings(TIED_LM_HEAD)  # the tied head is the embedding: nothing of its own to load
-    finalize_layerwise_reload(model, worker.model_config)
-    # CPU (choice 7): vocab layers keep their weight plus a packed copy for the logits matmul. A tied
-    # LM head shares the embedding's storage, which the reload rewrote, but is not reloaded itself,
-    # so its packed copy would keep the old weights: re-pack every vocab layer from its weight.
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
-            module.quant_method.process_weights_after_loading(module)
-
-
-@torch.no_grad()
-def _worker_checksum(worker: Any) -> dict[str, float]:
-    sums = {}
-    for module_name, module in worker.get_model().named_modules():
-        for name, param in module.named_parameters(recurse=False):
-            if param.numel() == 0 and hasattr(module, "cpu_linear"):
-                # CPU: the weight lives in a packed oneDNN/AMX handle (choice 6): x = I gives W^T exactly.
-                k = getattr(module, "input_size_per_partition", None) or module.input_size
-                eye = torch.eye(k, dtype=module.params_dtype)
-                param = module.cpu_linear(eye, param, None)
-            sums[f"{module_name}.{name}" if module_name else name] = float(param.double().sum())
-    return sums

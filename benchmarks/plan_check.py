@@ -85,8 +85,8 @@ from benchmarks.scale import last_line, layout_steps, name_list, run_cluster, su
 from benchmarks.summary import format_value  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
 from rlhf.config import RunConfig, config_from_dict, explicit_keys, load_config  # noqa: E402
-from rlhf.planner.memory import GPU_KINDS, PLAN_KEYS, breakdown, gpu_kind, gpu_kind_of_device  # noqa: E402
-from rlhf.planner.memory import learner_seconds, make_plan, model_shape, shape_from_config  # noqa: E402
+from rlhf.planner.memory import PLAN_KEYS, breakdown, learner_seconds, make_plan  # noqa: E402
+from rlhf.planner.shapes import GPU_KINDS, gpu_kind, gpu_kind_of_device, model_shape, shape_from_config  # noqa: E402
 
 RECIPE = "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
 WORKLOAD = replace(WORKLOADS["grpo-gpu-scale"], name="plan-check", recipe=RECIPE, steps=3, micro_batch_size=0,

@@ -17,7 +17,7 @@ import yaml
 from rlhf.config import ConfigError, RunConfig, config_to_dict, load_config
 
 if TYPE_CHECKING:
-    from rlhf.planner.memory import GpuKind
+    from rlhf.planner.shapes import GpuKind
 
 
 @contextmanager
@@ -192,7 +192,8 @@ def with_memory_plan(cfg: RunConfig, config_path: str | None, overrides: list[st
     if cfg.memory.plan == "off":
         return cfg
     from rlhf.config import explicit_keys
-    from rlhf.planner.memory import applied, make_plan, model_shape, no_fit_message, plan_lines
+    from rlhf.planner.memory import applied, make_plan, no_fit_message, plan_lines
+    from rlhf.planner.shapes import model_shape
 
     gpu = planned_gpu(cfg.memory.gpu, cfg.memory.gpu_memory_gib)
     if gpu is None:
@@ -213,7 +214,7 @@ def planned_gpu(kind: str, memory_gib: float = 0.0) -> GpuKind | None:
     """The planner's GpuKind for `memory.gpu` (`auto`: this machine's GPU 0 by name and memory), its
     memory replaced by `memory_gib` when > 0; None for `auto` with neither a GPU nor a memory."""
     from actors.device import gpu_identity
-    from rlhf.planner.memory import gpu_kind, gpu_kind_of_device
+    from rlhf.planner.shapes import gpu_kind, gpu_kind_of_device
 
     if kind != "auto":
         return gpu_kind(kind, memory_gib)

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from rlhf.config import ConfigError, explicit_keys, load_config  # noqa: E402
-from rlhf.planner.memory import (GPU_KINDS, describe, make_plan, model_shape, no_fit_message,  # noqa: E402
-                                 plan_lines)
+from rlhf.planner.memory import describe, make_plan, no_fit_message, plan_lines  # noqa: E402
+from rlhf.planner.shapes import GPU_KINDS, model_shape  # noqa: E402
 from scripts.launch import _one_line, _Parser, planned_gpu  # noqa: E402
 
 

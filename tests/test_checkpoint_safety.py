@@ -31,7 +31,7 @@ import torch
 import rlhf.run.checkpoint as ckpt
 from rlhf.config import ConfigError, load_config
 from rlhf.errors import RunError
-from rlhf.planner.memory import model_shape
+from rlhf.planner.shapes import model_shape
 from rlhf.run import signing
 from rlhf.run.checkpoint import (CheckpointError, CheckpointSaveError, UntrustedCheckpoint,
                                  checkpoint_to_resume, complete_checkpoints, latest_checkpoint,

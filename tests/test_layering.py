@@ -122,7 +122,8 @@ def test_torch_cuda_only_in_the_device_module():
 
 
 def test_only_the_backend_files_import_their_engines():
-    owners = {"vllm": {"vllm_generator.py"}, "deepspeed": {"deepspeed_learner.py"}}
+    # the vLLM backend is the engine actor and what runs inside its workers
+    owners = {"vllm": {"vllm_generator.py", "vllm_worker.py"}, "deepspeed": {"deepspeed_learner.py"}}
     for engine, files in owners.items():
         users = {p.name for p in (ROOT / "actors").glob("*.py") if engine in imported_modules(p)}
         assert users <= files, (engine, users)

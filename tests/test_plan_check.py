@@ -43,7 +43,8 @@ from benchmarks.plan_check import (
 from benchmarks.scale import layout_steps
 from benchmarks.workloads import REPO_MODELS, our_overrides
 from rlhf.config import config_to_dict, load_config
-from rlhf.planner.memory import KNOWN_SHAPES, PLAN_KEYS, predicted_learner_peak_gib, shape_from_config
+from rlhf.planner.memory import PLAN_KEYS, predicted_learner_peak_gib
+from rlhf.planner.shapes import KNOWN_SHAPES, shape_from_config
 
 REPO = Path(__file__).resolve().parents[1]
 

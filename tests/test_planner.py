@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from rlhf.config import ConfigError, explicit_keys, load_config
-from rlhf.planner.memory import (GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, breakdown, describe, gpu_kind,
-                                 make_plan, model_shape, no_fit_message, predicted_learner_peak_gib)
+from rlhf.planner.memory import breakdown, describe, make_plan, no_fit_message, predicted_learner_peak_gib
+from rlhf.planner.shapes import GIB, GPU_KINDS, KNOWN_SHAPES, ModelShape, gpu_kind, model_shape
 from scripts.launch import cli, write_run_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -179,14 +179,17 @@ def grpo_policy_loss(
         per_token = per_token + kl_coef * kl
     loss = aggregate_token_loss(per_token, mask, loss_agg, max_len=max_len, denominator=denominator)
     with torch.no_grad():
-        metrics = {
-            "clip_frac": _masked_mean((clipped > unclipped).to(m.dtype), m),
-            "ratio": _masked_mean(ratio, m),
-            "kl": _masked_mean(kl, m),
-        }
-        if entropy is not None:
-            metrics["entropy"] = _masked_mean(entropy, m)
-    return loss, metrics
+        return loss, _policy_metrics(m, clipped > unclipped, ratio, kl, entropy)
+
+
+def _policy_metrics(m: torch.Tensor, clipped: torch.Tensor, ratio: torch.Tensor, kl: torch.Tensor,
+                    entropy: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """`grpo_policy_loss`'s metrics: means over the masked tokens."""
+    metrics = {"clip_frac": _masked_mean(clipped.to(m.dtype), m), "ratio": _masked_mean(ratio, m),
+               "kl": _masked_mean(kl, m)}
+    if entropy is not None:
+        metrics["entropy"] = _masked_mean(entropy, m)
+    return metrics
 
 
 def _preference_rewards(

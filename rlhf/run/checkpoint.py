@@ -59,7 +59,7 @@ from rlhf.run.signing import read_run_state, write_run_state
 
 if TYPE_CHECKING:
     from rlhf.config import RunConfig
-    from rlhf.planner.memory import ModelShape
+    from rlhf.planner.shapes import ModelShape
 
 _PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -419,7 +419,7 @@ def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
     """Raise ConfigError (one line) when the checkpoints that will coexist do not fit the free
     space of output_dir's disk (choice 7)."""
     from rlhf.config import ConfigError
-    from rlhf.planner.memory import model_shape
+    from rlhf.planner.shapes import model_shape
 
     try:
         shape = model_shape(str(model_path))

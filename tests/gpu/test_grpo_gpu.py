@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from rlhf.config import load_config
-from rlhf.planner.memory import breakdown, gpu_kind_of_device, model_shape
+from rlhf.planner.memory import breakdown
+from rlhf.planner.shapes import gpu_kind_of_device, model_shape
 from tests.gpu.suite import GRPO_RECIPE, device_gib, synced, train
 
 pytestmark = pytest.mark.gpu
