@@ -29,6 +29,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from actors.actor_group import TIMEOUT_ENV, ActorGroup, load_class, node_address, set_timeout
 from actors.device import detect
 from actors.engine_group import EngineGroup
+from actors.learner_base import LearnerRank
 from actors.learner_group import RayLearnerGroup
 from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
@@ -37,7 +38,6 @@ from rlhf.lora import serves_adapters
 from rlhf.rules import engine_count, holds_reference_model
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
-LEARNERS = {"fsdp2": "actors.fsdp2_learner:FSDP2Learner", "deepspeed": "actors.deepspeed_learner:DeepSpeedLearner"}
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group not ready by then will not be: say why instead of hanging
 
 
@@ -106,7 +106,7 @@ def _share(share: dict[str, float]) -> dict[str, float]:
 
 def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:
     group = ActorGroup(
-        load_class(LEARNERS[cfg.learner.backend]), name="learner rank", pg=pg, bundles=layout.learner_bundles,
+        LearnerRank, name="learner rank", pg=pg, bundles=layout.learner_bundles,
         **_share(layout.learner_share),
         make_kwargs=lambda rank, addr, port: dict(
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,

@@ -1,7 +1,7 @@
-"""DeepSpeed ZeRO-2/3 learner rank, interchangeable with `actors.fsdp2_learner.FSDP2Learner`.
+"""DeepSpeed ZeRO-2/3 as a learner rank's Sharding, interchangeable with `actors.fsdp2_learner.FSDP2Sharding`.
 
 The only file that imports `deepspeed`; what every backend shares (micro-batching, the train and
-log-prob loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`.
+log-prob loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`, which holds this.
 
 Choices:
 1. Gradient accumulation belongs to LearnerRank, which runs a variable number of micro-batches
@@ -43,10 +43,9 @@ from typing import Any
 
 import deepspeed
 import torch
-import torch.distributed as dist
 
 from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
-from actors.learner_base import LearnerRank, make_scheduler
+from actors.learner_base import RankContext, make_scheduler
 from actors.torch_extensions import clear_stale_build_locks
 from rlhf.config import LearnerConfig, ModelConfig
 
@@ -56,50 +55,32 @@ _OWNED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumu
           "managed_gradient_accumulation", "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
 
 
-class DeepSpeedLearner(LearnerRank):
-    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous
-    (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
+class DeepSpeedSharding:
+    """`actors.learner_base.Sharding` over DeepSpeed ZeRO (built inside the rank's process group)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        model_path: str,
-        model_cfg: ModelConfig,
-        learner_cfg: LearnerConfig,
-        temperature: float,
-        with_reference: bool,
-        seed: int,
-        driver_store: bool = False,
-    ) -> None:
-        if learner_cfg.offload_params and learner_cfg.zero_stage != 3:
+    def __init__(self, ctx: RankContext, model_path: str, with_reference: bool) -> None:
+        cfg = ctx.cfg
+        if cfg.offload_params and cfg.zero_stage != 3:
             raise ValueError("learner.offload_params needs learner.zero_stage=3: ZeRO-2 keeps the full "
                              "parameters on every rank (learner.offload_optimizer works with both stages)")
-        super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         driver_store=driver_store, learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
-                         compute_dtype=model_cfg.dtype)
+        self.ctx, self.cfg = ctx, cfg
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        self.zero_stage = learner_cfg.zero_stage
-        config = train_config(learner_cfg, model_cfg, world_size, pin_memory=self.device.kind == "cuda")
-
+        config = train_config(cfg, ctx.model_cfg, ctx.world_size, pin_memory=ctx.device.kind == "cuda")
         clear_stale_build_locks()  # DeepSpeed builds its ops (CPU Adam, shm collectives) just in time
-        model = load_hf_model(model_path, gradient_checkpointing=learner_cfg.gradient_checkpointing,
-                              fused_head=learner_cfg.fused_head, attention=attention_kernel(learner_cfg, self.device.kind))
-        if self.lora:  # choice 6
-            model, self.lora_targets = wrap_lora(model, learner_cfg)
+        model = load_hf_model(model_path, gradient_checkpointing=cfg.gradient_checkpointing,
+                              fused_head=cfg.fused_head, attention=attention_kernel(cfg, ctx.device.kind))
+        self.lora_targets: list[str] = []
+        if cfg.lora_rank > 0:  # choice 6
+            model, self.lora_targets = wrap_lora(model, cfg)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if learner_cfg.offload_optimizer:
+        if cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(trainable, lr=learner_cfg.lr, betas=learner_cfg.betas,
-                                         weight_decay=learner_cfg.weight_decay, adamw_mode=True)
+            optimizer = DeepSpeedCPUAdam(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                         adamw_mode=True)
         else:
-            optimizer = torch.optim.AdamW(trainable, lr=learner_cfg.lr, betas=learner_cfg.betas,
-                                          weight_decay=learner_cfg.weight_decay)
-        self.scheduler = make_scheduler(optimizer, learner_cfg.warmup_steps)
+            optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+        self.scheduler = make_scheduler(optimizer, cfg.warmup_steps)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=self.scheduler,
                                                config=config)
         self.model = self.engine  # its forward returns the HF output (.logits)
@@ -108,7 +89,7 @@ class DeepSpeedLearner(LearnerRank):
     def _reference(self, model_path: str, train_cfg: dict[str, Any]) -> torch.nn.Module:
         """The frozen reference as a ZeRO-3 inference engine: parameters sharded, no optimizer."""
         model = load_hf_model(model_path, gradient_checkpointing=False, fused_head=self.cfg.fused_head,
-                              attention=attention_kernel(self.cfg, self.device.kind))
+                              attention=attention_kernel(self.cfg, self.ctx.device.kind))
         model.requires_grad_(False)
         zero: dict[str, Any] = {"stage": 3}
         if "offload_param" in train_cfg["zero_optimization"]:
@@ -119,26 +100,24 @@ class DeepSpeedLearner(LearnerRank):
         engine.eval()
         return engine
 
-    # ---------------------------------------------------------------- LearnerRank hooks
-
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)
 
-    def _optimizer_step(self) -> float:
+    def optimizer_step(self) -> float:
         self.engine.step()  # the accumulation boundary: reduce, clip, AdamW, scheduler, zero grads
         return float(self.engine.get_global_grad_norm())
 
-    def _current_lr(self) -> float:
+    def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
-        keep = self.rank == 0 if keep is None else keep
+        keep = self.ctx.rank == 0 if keep is None else keep
         for name, param in self.engine.module.named_parameters():
             if only is not None and not only(name):
                 continue
-            if self.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
+            if self.cfg.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
                 yield name, param.detach()
                 continue
             # ZeRO-3: gather this one parameter on every rank; the ranks that keep it copy it out.
@@ -146,26 +125,17 @@ class DeepSpeedLearner(LearnerRank):
                 full = param.detach().clone() if keep else None
             yield name, full
 
-    # ---------------------------------------------------------------- checkpoints
+    def save_state(self, folder: Path) -> None:
+        """DeepSpeed's checkpoint: fp32 master weights, optimizer and scheduler state, one shard per rank."""
+        self.engine.save_checkpoint(str(folder), tag=_TAG)
 
-    def save(self, path: str, model_path: str, export_dtype: str) -> None:
-        """Write `path/model/` (HF safetensors + config + tokenizer, loadable by transformers and
-        vLLM) and `path/train_state/` (DeepSpeed's checkpoint: fp32 master weights, optimizer and
-        scheduler state, one shard per rank)."""
-        out = Path(path)
-        self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
-        self.export_adapter(model_path, out / "adapter")
-        self.engine.save_checkpoint(str(out / "train_state"), tag=_TAG)
-        dist.barrier()
-
-    def load(self, path: str) -> None:
-        """Restore what `save` wrote, reading no pickle that could run code (choice 5)."""
-        state = Path(path) / "train_state"
+    def load_state(self, folder: Path) -> None:
+        """What `save_state` wrote, reading no pickle that could run code (choice 5)."""
         self.engine.checkpoint_engine.load = weights_only_load
-        loaded, _ = self.engine.load_checkpoint(str(state), tag=_TAG, load_optimizer_states=True,
+        loaded, _ = self.engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
         if loaded is None:
-            raise FileNotFoundError(f"no DeepSpeed checkpoint under {state}")
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
 
 
 def weights_only_load(path: str, map_location: Any = None) -> Any:

@@ -1,7 +1,7 @@
-"""FSDP2 learner rank: `fully_shard` per decoder layer, fp32 master weights, bf16 compute.
+"""FSDP2 as a learner rank's Sharding: `fully_shard` per decoder layer, fp32 master weights, bf16 compute.
 
 The only FSDP-specific file; what every backend shares (micro-batching, the train and log-prob
-loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`.
+loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`, which holds this.
 
 Choices:
 1. Parameters are kept in fp32 (master weights); `model.dtype: bfloat16` runs forward/backward in
@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -44,57 +43,38 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
-from actors.learner_base import LearnerRank, make_scheduler
-from rlhf.config import LearnerConfig, ModelConfig
+from actors.learner_base import RankContext, make_scheduler
 
 
-class FSDP2Learner(LearnerRank):
-    """One rank. `rank`/`world_size`/`master_*` come from the actor group's rendezvous
-    (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
+class FSDP2Sharding:
+    """`actors.learner_base.Sharding` over FSDP2 (built inside the rank's process group)."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        model_path: str,
-        model_cfg: ModelConfig,
-        learner_cfg: LearnerConfig,
-        temperature: float,
-        with_reference: bool,
-        seed: int,
-        driver_store: bool = False,
-    ) -> None:
-        super().__init__(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                         driver_store=driver_store, learner_cfg=learner_cfg, temperature=temperature, seed=seed, model_path=model_path,
-                         compute_dtype=model_cfg.dtype)
-        self.model = self._build(model_path, model_cfg, trainable=True)
-        self.reference = self._build(model_path, model_cfg, trainable=False) if with_reference else None
+    def __init__(self, ctx: RankContext, model_path: str, with_reference: bool) -> None:
+        self.ctx, self.cfg = ctx, ctx.cfg
+        self.lora_targets: list[str] = []
+        self.model = self._build(model_path, trainable=True)
+        self.reference = self._build(model_path, trainable=False) if with_reference else None
         # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
         # 0.38 s per step for 135M parameters on 2 cores).
-        self.optimizer = torch.optim.AdamW(
-            self._trainable(), lr=learner_cfg.lr, betas=learner_cfg.betas,
-            weight_decay=learner_cfg.weight_decay, fused=True,
-        )
-        self.scheduler = make_scheduler(self.optimizer, learner_cfg.warmup_steps)
+        self.optimizer = torch.optim.AdamW(self._trainable(), lr=self.cfg.lr, betas=self.cfg.betas,
+                                           weight_decay=self.cfg.weight_decay, fused=True)
+        self.scheduler = make_scheduler(self.optimizer, self.cfg.warmup_steps)
 
-    def _build(self, model_path: str, model_cfg: ModelConfig, *, trainable: bool) -> torch.nn.Module:
+    def _build(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
         model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing,
-                              fused_head=self.cfg.fused_head, attention=attention_kernel(self.cfg, self.device.kind))
+                              fused_head=self.cfg.fused_head, attention=attention_kernel(self.cfg, self.ctx.device.kind))
         layers = model.model.layers
-        lora = trainable and self.lora
+        lora = trainable and self.cfg.lora_rank > 0
         if lora:  # choice 4: adapters before sharding; PEFT froze the base weights
             model, self.lora_targets = wrap_lora(model, self.cfg)
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, model_cfg.dtype), reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.ctx.model_cfg.dtype), reduce_dtype=torch.float32)
         # reshard_after_forward=False keeps each layer's gathered weights from forward to backward
         # (ZeRO-2-like: memory for one all-gather less per layer); the frozen reference has no backward.
         reshard = self.cfg.reshard_after_forward or not trainable
         for layer in layers:
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
-        model.to(self.device.torch_device(0))
+        model.to(self.ctx.device.torch_device(0))
         model.train(trainable)
         if not lora:
             model.requires_grad_(trainable)
@@ -103,12 +83,10 @@ class FSDP2Learner(LearnerRank):
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    # ---------------------------------------------------------------- LearnerRank hooks
-
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def _optimizer_step(self) -> float:
+    def optimizer_step(self) -> float:
         grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), self.cfg.max_grad_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -117,48 +95,35 @@ class FSDP2Learner(LearnerRank):
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def _current_lr(self) -> float:
+    def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
         # full_tensor() all-gathers: every rank gets the full tensor whether it keeps it or not.
         for name, param in self.model.named_parameters():
             if only is None or only(name):
                 yield name, param.full_tensor() if isinstance(param, DTensor) else param
 
-    # ---------------------------------------------------------------- checkpoints
-
-    def save(self, path: str, model_path: str, export_dtype: str) -> None:
-        """Write `path/model/` (HF safetensors + config + tokenizer, loadable by transformers and
-        vLLM; LoRA merged), with LoRA `path/adapter/` (PEFT format), and `path/train_state/`
-        (sharded model + optimizer, exact resume) plus scheduler."""
+    def save_state(self, folder: Path) -> None:
+        """The sharded model and optimizer (torch.distributed.checkpoint) and the scheduler (choice 3)."""
         import torch.distributed.checkpoint as dcp
 
-        out = Path(path)
-        self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
-        self.export_adapter(model_path, out / "adapter")
-        state = {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
-        }
-        dcp.save(state, checkpoint_id=str(out / "train_state"))
-        if self.rank == 0:
-            torch.save(self.scheduler.state_dict(), out / "train_state" / "scheduler.pt")
-        dist.barrier()
+        dcp.save(self._state(), checkpoint_id=str(folder))
+        if self.ctx.rank == 0:
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
-    def load(self, path: str) -> None:
-        """Restore what `save` wrote, reading no pickle that could run code (choice 3)."""
-        out = Path(path)
-        state = {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.optimizer),
-        }
-        load_train_state(state, out / "train_state")
+    def load_state(self, folder: Path) -> None:
+        """What `save_state` wrote, reading no pickle that could run code (choice 3)."""
+        state = self._state()
+        load_train_state(state, folder)
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        self.scheduler.load_state_dict(torch.load(out / "train_state" / "scheduler.pt", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
 
 
 def load_train_state(state: dict[str, Any], folder: Path) -> None:

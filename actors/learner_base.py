@@ -1,15 +1,18 @@
 """What every learner rank does the same way, whatever shards its model (FSDP2, DeepSpeed ZeRO).
 
-One instance per rank (a Ray actor made by `actors.learner_group`); every public method is a
-collective: all ranks call it with their own shard of the batch. A backend subclasses
-`LearnerRank` and provides five things: build the model/optimizer, `_backward`, `_optimizer_step`,
-`_full_parameters` (full tensors one at a time, for weight sync and export) and `save`/`load`.
+One `LearnerRank` per rank (a Ray actor made by `actors.learner_group`); every public method is a
+collective: all ranks call it with their own shard of the batch. What differs between backends is
+held, not inherited: the rank builds the `Sharding` that `learner.backend` names (`SHARDINGS`:
+FSDP2 in actors/fsdp2_learner.py, DeepSpeed ZeRO in actors/deepspeed_learner.py), which owns the
+model, the reference and the optimizer and answers five calls: `backward`, `optimizer_step`,
+`full_parameters` (full tensors one at a time, for weight sync and export), `current_lr`, and
+`save_state`/`load_state` of its own training state.
 
 Shared choices:
 1. Loss normalization is global: each rank's micro-batch losses are divided by the whole step's
    denominator (tokens, sequences or pairs over all ranks), so gradients are exactly those of the
    full-batch loss however the batch is split. Data-parallel backends average gradients over
-   ranks, so `_backward` receives the loss already multiplied by world_size.
+   ranks, so `backward` receives the loss already multiplied by world_size.
 2. Every rank runs the same number of forward/backward passes (sharded collectives need it): a
    rank with fewer rows runs zero-weight dummy micro-batches.
 3. Batches are `TrainBatch` (GRPO) or `PreferenceBatch` (DPO: chosen and rejected of a pair in
@@ -56,7 +59,9 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -75,7 +80,7 @@ from rlhf.algo.logprobs import (
     token_logprobs,
 )
 from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
-from rlhf.config import LearnerConfig
+from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
 from rlhf.lora import (
     adapter_config,
@@ -91,24 +96,72 @@ from rlhf.run.metrics import nonfinite
 from rlhf.types import Batch, StepMetrics, TrainBatch
 
 
-class LearnerRank:
-    """Rank bookkeeping, micro-batching, the train/log-prob loops and weight export."""
+SHARDINGS = {"fsdp2": "actors.fsdp2_learner:FSDP2Sharding", "deepspeed": "actors.deepspeed_learner:DeepSpeedSharding"}
+"""`learner.backend` -> the Sharding class (imported only when a rank builds it)."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a Sharding needs to know of its rank."""
+
+    rank: int
+    world_size: int
+    cfg: LearnerConfig
+    model_cfg: ModelConfig
+    device: Any  # actors.device.Device
+
+
+class Sharding(Protocol):
+    """How a learner backend holds the model across the ranks (built inside the rank's process group)."""
 
     model: torch.nn.Module
+    """What the rank's forward passes run (FSDP2's sharded module, DeepSpeed's engine)."""
     reference: torch.nn.Module | None
+    """The frozen reference model, when the rank was asked for one."""
+    lora_targets: list[str]
+    """With LoRA, the leaf module names that carry adapters."""
 
-    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, driver_store: bool,
-                 learner_cfg: LearnerConfig, temperature: float, seed: int, model_path: str, compute_dtype: str
-                 ) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradients of `loss` (already scaled for averaging over ranks: choice 1)."""
+
+    def optimizer_step(self) -> float:
+        """Reduce, clip to `learner.max_grad_norm`, step the optimizer and the scheduler, zero the
+        gradients; return the global gradient norm."""
+
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """(name, full tensor) of every weight (or of those whose name passes `only`), one at a
+        time; HF names, or PEFT's with LoRA. A rank that does not `keep` them (default: ranks other
+        than 0) may get None. A collective: every rank iterates the same names in the same order."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the last optimizer step."""
+
+    def save_state(self, folder: Path) -> None:
+        """Write what exact resume needs (sharded weights, optimizer, scheduler) into `folder`."""
+
+    def load_state(self, folder: Path) -> None:
+        """Restore what `save_state` wrote, reading no pickle that could run code."""
+
+
+class LearnerRank:
+    """Rank bookkeeping, micro-batching, the train/log-prob loops and weight export, over the
+    Sharding of `learner.backend`. `rank`/`world_size`/`master_*` come from the actor group's
+    rendezvous (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
+
+    def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                 model_cfg: ModelConfig, learner_cfg: LearnerConfig, temperature: float, with_reference: bool,
+                 seed: int, driver_store: bool = False) -> None:
         from transformers import AutoConfig
+
+        from actors.actor_group import load_class
 
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
         self.lora = learner_cfg.lora_rank > 0  # choice 9
-        self.lora_targets: list[str] = []  # set by wrap_lora's caller when LoRA is on
         self.device = detect_device()
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
-        self.peak_flops = self.device.peak_flops(compute_dtype)
+        self.peak_flops = self.device.peak_flops(model_cfg.dtype)
         self._transports: dict[str, object] = {}
         # Packed rows under FlexAttention with a token budget are topped up to the budget (choice 8).
         self._fixed_pack = (learner_cfg.pack_sequences and learner_cfg.max_tokens_per_micro_batch > 0
@@ -127,25 +180,9 @@ class LearnerRank:
             store = join_store(master_addr, master_port) if driver_store else None
             dist.init_process_group(self.device.dist_backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
-
-    # ---------------------------------------------------------------- backend hooks
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _optimizer_step(self) -> float:
-        """Clip, step the optimizer and scheduler, zero the grads; return the global grad norm."""
-        raise NotImplementedError
-
-    def _full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(name, full tensor) of every weight (or of those whose name passes `only`), one at a
-        time; HF names, or PEFT's with LoRA. A rank that does not `keep` them (default: ranks other
-        than 0) may get None. A collective: every rank iterates the same names in the same order."""
-        raise NotImplementedError
-
-    def _current_lr(self) -> float:
-        raise NotImplementedError
+        context = RankContext(rank, world_size, learner_cfg, model_cfg, self.device)
+        self.sharding: Sharding = load_class(SHARDINGS[learner_cfg.backend])(context, model_path, with_reference)
+        self.model, self.reference = self.sharding.model, self.sharding.reference
 
     # ---------------------------------------------------------------- forward passes
 
@@ -242,7 +279,7 @@ class LearnerRank:
             loss, metrics = objective(lp, mb, denominator)
             if not real:
                 loss, metrics = loss * 0.0, {}
-            self._backward(loss * self.world_size)
+            self.sharding.backward(loss * self.world_size)
             loss_sum += loss.detach()
             merge_metrics(sums, metrics)
         grad_norm, skipped = self._step_if_finite(loss_sum)
@@ -283,7 +320,7 @@ class LearnerRank:
             return norm, True
         # DeepSpeed's engine keeps its gradients out of sight (no .grad here) and skips a NaN/inf
         # grad norm itself, clearing them and reporting the norm as inf.
-        grad_norm = self._optimizer_step()
+        grad_norm = self.sharding.optimizer_step()
         return grad_norm, not math.isfinite(grad_norm)
 
     def _weights_finite(self) -> bool:
@@ -328,7 +365,7 @@ class LearnerRank:
         values = reduce_metrics([dict(zip(keys, packed[:-1]))]) | dict(zip(maxima, top.tolist()))
         loss = values.pop("loss", 0.0)
         values.pop("weight", None)
-        values["lr"] = self._current_lr()
+        values["lr"] = self.sharding.current_lr()
         values["memory/learner_peak_gib"] = float(peak)  # max over ranks; CPU: resident-set high-water mark
         return StepMetrics(loss=loss, grad_norm=grad_norm, values=values, num_tokens=int(packed[-1]))
 
@@ -340,10 +377,10 @@ class LearnerRank:
         names; with LoRA (choice 9) the merged weights, or for a `sync` in `lora_sync: adapter` mode
         the adapter tensors under PEFT's file names."""
         if not self.lora:
-            return self._full_parameters(keep)
+            return self.sharding.full_parameters(keep)
         if sync and self.cfg.lora_sync == "adapter":
-            return adapter_weights(self._full_parameters(keep, only=is_adapter_name))
-        return merged_weights(self._full_parameters(keep), lora_scale(self.cfg))
+            return adapter_weights(self.sharding.full_parameters(keep, only=is_adapter_name))
+        return merged_weights(self.sharding.full_parameters(keep), lora_scale(self.cfg))
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype, *, keep: bool
                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -391,14 +428,29 @@ class LearnerRank:
         0, fp32 as trained. A collective; a no-op without LoRA."""
         if not self.lora:
             return
-        tensors = self._on_rank0(adapter_weights(self._full_parameters(only=is_adapter_name)), torch.float32)
+        tensors = self._on_rank0(adapter_weights(self.sharding.full_parameters(only=is_adapter_name)), torch.float32)
         if self.rank == 0:
-            save_adapter(tensors, adapter_config(self.cfg, self.lora_targets, model_path), out)
+            save_adapter(tensors, adapter_config(self.cfg, self.sharding.lora_targets, model_path), out)
 
     def _on_rank0(self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The full tensors of `named` as CPU copies in `dtype` on rank 0, {} elsewhere. Every rank
         walks `named` to its end: producing each full tensor is a collective."""
         return {name: full.detach().to("cpu", dtype) for name, full in named if self.rank == 0}
+
+    def save(self, path: str, model_path: str, export_dtype: str) -> None:
+        """Write `path/model/` (HF safetensors + config + tokenizer, loadable by transformers and
+        vLLM; LoRA merged), with LoRA `path/adapter/` (PEFT format), then `path/train_state/` (the
+        Sharding's state, for exact resume). The model comes first, so a save that fails later
+        still leaves it (rlhf.run.checkpoint)."""
+        out = Path(path)
+        self.export_hf(model_path, out / "model", getattr(torch, export_dtype))
+        self.export_adapter(model_path, out / "adapter")
+        self.sharding.save_state(out / "train_state")
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote into the Sharding (the HF export is not read back)."""
+        self.sharding.load_state(Path(path) / "train_state")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

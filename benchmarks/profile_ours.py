@@ -5,7 +5,7 @@
 
 In the real run the generator and the learner live in Ray actors; tracing inside them would
 need the profiler in actor code. Instead this builds the same pieces the actors hold, as the
-tests do (VLLMGenerator, FSDP2Learner with world_size 1 over gloo), from the same RunConfig:
+tests do (VLLMGenerator, LearnerRank (FSDP2) with world_size 1 over gloo), from the same RunConfig:
   GRPO  one generation step (vLLM, step 1's prompts x group_size) and one learner step
         (`train_step` on step 1's rollouts, scored and turned into a batch exactly as the loop does)
   DPO   one learner step (reference log-probs on the learner, then `train_step`)
@@ -38,9 +38,9 @@ def _free_port() -> int:
 
 
 def _learner(cfg: Any, model_path: str, *, with_reference: bool):
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
-    return FSDP2Learner(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
+    return LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
                         model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
                         temperature=cfg.generation.temperature or 1.0, with_reference=with_reference, seed=cfg.seed)
 

@@ -4,7 +4,7 @@ progress bar, errors and the end-of-run summary (rlhf/run/metrics.py). What vLLM
 transformers and torch print goes to files under `<output_dir>/logs/`, unless `logging.verbose=true`:
 
     logs/driver.log                  the driver's library loggers (Ray's start-up lines included)
-    logs/<Actor>-<pid>.log           stdout and stderr of each Ray actor (VLLMGenerator, FSDP2Learner,
+    logs/<Actor>-<pid>.log           stdout and stderr of each Ray actor (VLLMGenerator, LearnerRank,
                                      RewardWorker, ...) and of the processes it starts
     logs/ray/                        Ray's own logs (raylet, GCS, dashboard), copied at the end of a
                                      run that started its own Ray instance

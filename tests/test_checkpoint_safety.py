@@ -212,7 +212,7 @@ def test_deepspeed_reader_refuses_a_planted_state_pickle(tmp_path):
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
-    from actors.deepspeed_learner import DeepSpeedLearner, weights_only_load
+    from actors.deepspeed_learner import DeepSpeedSharding, weights_only_load
 
     good = tmp_path / "good.pt"
     torch.save({"zero_stage": ZeroStageEnum.gradients, "loss_scaler": LossScaler(1.0), "w": torch.ones(2)}, good)
@@ -229,7 +229,7 @@ def test_deepspeed_reader_refuses_a_planted_state_pickle(tmp_path):
             return self.checkpoint_engine.load(str(planted), map_location="cpu"), None
 
     with pytest.raises(pickle.UnpicklingError):
-        DeepSpeedLearner.load(SimpleNamespace(engine=Engine()), str(tmp_path))
+        DeepSpeedSharding.load_state(SimpleNamespace(engine=Engine()), tmp_path / "train_state")
     assert not marker.exists()
 
 
@@ -449,10 +449,8 @@ def _learner_rank(backend: str, lora: int, model_path: str, out: str, key_dir: s
 
     os.environ["RLHF_KEY_DIR"] = key_dir
     cfg = LearnerConfig(lr=1e-3, micro_batch_size=2, backend=backend, zero_stage=2, num_ranks=1, lora_rank=lora)
-    if backend == "fsdp2":
-        from actors.fsdp2_learner import FSDP2Learner as cls
-    else:
-        from actors.deepspeed_learner import DeepSpeedLearner as cls
+    from actors.learner_base import LearnerRank as cls
+
     # One rank: rank 0 serves its own store on an ephemeral port (0), which nobody else joins.
     learner = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, model_path=model_path,
                   model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0, with_reference=False,
@@ -467,7 +465,7 @@ def _learner_rank(backend: str, lora: int, model_path: str, out: str, key_dir: s
 
     dcp.save = full
     if backend == "deepspeed":
-        learner.engine.save_checkpoint = full
+        learner.sharding.engine.save_checkpoint = full
     try:
         learner.save(f"{out}/failed", model_path, "float32")
     except OSError:

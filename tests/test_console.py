@@ -54,7 +54,7 @@ def test_quiet_terminal_shows_config_progress_and_summary(quiet_run):
 @pytest.mark.ray
 def test_engine_learner_and_ray_logs_are_files(quiet_run):
     logs = quiet_run[0] / "logs"
-    engine, learners = list(logs.glob("VLLMGenerator-*.log")), list(logs.glob("FSDP2Learner-*.log"))
+    engine, learners = list(logs.glob("VLLMGenerator-*.log")), list(logs.glob("LearnerRank-*.log"))
     assert len(engine) == 1 and len(learners) == 2  # (an actor that printed nothing leaves no file)
     engine_log = engine[0].read_text()
     # vLLM's own output is kept here: its weight loader's progress line. (Its INFO lines were there when

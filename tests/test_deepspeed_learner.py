@@ -82,12 +82,10 @@ def _free_port() -> int:
 
 
 def _make_learner(backend: str, rank: int, world: int, port: int, model_path: str, *, with_reference: bool):
+    from actors.learner_base import LearnerRank
+
     cfg = dataclasses.replace(LEARNER, num_ranks=world, **BACKENDS[backend])
-    if cfg.backend == "fsdp2":
-        from actors.fsdp2_learner import FSDP2Learner as cls
-    else:
-        from actors.deepspeed_learner import DeepSpeedLearner as cls
-    return cls(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
+    return LearnerRank(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
                model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0,
                with_reference=with_reference, seed=0)
 
@@ -224,7 +222,7 @@ def test_every_rank_can_keep_the_full_weights(run):
 
 
 def test_full_parameters_equal_the_model(run, setup):
-    """Bucketed `_full_parameters` (under ZeRO-3: gathered one at a time) before any step are
+    """Bucketed `full_parameters` (under ZeRO-3: gathered one at a time) before any step are
     exactly the checkpoint's tensors, in HF names, the tied embedding once."""
     results, _ = run
     initial = results[0]["initial"]
@@ -301,10 +299,9 @@ def test_user_deepspeed_config_is_merged_under_the_learner_keys(tmp_path):
 
 
 def test_offload_params_needs_zero3():
-    from actors.deepspeed_learner import DeepSpeedLearner
+    from actors.deepspeed_learner import DeepSpeedSharding
+    from actors.learner_base import RankContext
 
     cfg = dataclasses.replace(LEARNER, backend="deepspeed", zero_stage=2, offload_params=True)
     with pytest.raises(ValueError, match="offload_params needs learner.zero_stage=3"):
-        DeepSpeedLearner(rank=0, world_size=1, master_addr="127.0.0.1", master_port=_free_port(),
-                         model_path="unused", model_cfg=ModelConfig(), learner_cfg=cfg, temperature=1.0,
-                         with_reference=False, seed=0)
+        DeepSpeedSharding(RankContext(0, 1, cfg, ModelConfig(), device=None), "unused", with_reference=False)

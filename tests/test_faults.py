@@ -263,7 +263,7 @@ def test_killed_actors_end_the_run_with_one_line_and_resume_continues_exactly(re
     from rlhf.run.metrics import read_metrics
 
     out = tmp_path / "run"
-    for n, (title, actor) in enumerate([("ray::FSDP2Learner", "learner rank"), ("ray::VLLMGenerator", "engine 0"),
+    for n, (title, actor) in enumerate([("ray::LearnerRank", "learner rank"), ("ray::VLLMGenerator", "engine 0"),
                                         ("ray::RewardWorker", "reward worker")]):
         proc = start(out, *(["resume=true"] if n else []))
         killed_at = kill_actor(proc, title, newer_checkpoint(out, than=n))

@@ -53,9 +53,9 @@ def spawn_ranks(target, *args, world: int = 2) -> None:
 
 def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str,
                learner_cfg: LearnerConfig = LEARNER, train: bool = True) -> None:
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
-    learner = FSDP2Learner(
+    learner = LearnerRank(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
         model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=False, seed=0,
     )
@@ -169,9 +169,9 @@ def _with_reference(batch: PreferenceBatch, token_lp: torch.Tensor) -> Preferenc
 
 def _dpo_rank_main(rank: int, world: int, port: int, model_path: str, batch: PreferenceBatch, objective,
                    learner_cfg: LearnerConfig, out: str) -> None:
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
-    learner = FSDP2Learner(
+    learner = LearnerRank(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
         model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=True,
         seed=0,
@@ -237,10 +237,10 @@ def _one_rank(model_path: str, objective_kl: float):
     port), and the objective with a KL term."""
     import torch.distributed as dist
 
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
-    learner = FSDP2Learner(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
+    learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                            model_path=model_path, model_cfg=ModelConfig(dtype="float32"), learner_cfg=LEARNER,
                            temperature=1.0, with_reference=True, seed=0, driver_store=True)
     return learner, store, GRPOObjective(kl_coef=objective_kl)

@@ -129,7 +129,7 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     # and engine actors were found and listen.
     owners = {pid for pid, *_ in found}
     assert proc.pid in owners, table
-    for title in ("gcs_server", "raylet", "ray::FSDP2Learner", "ray::VLLMGenerator"):
+    for title in ("gcs_server", "raylet", "ray::LearnerRank", "ray::VLLMGenerator"):
         assert any(title in processes[pid] for pid in owners), f"no listener of {title} found:\n{table}"
     exposed = [f for f in found if not is_loopback(f[1])]
     assert not exposed, f"listening beyond loopback: {exposed}\n{table}"

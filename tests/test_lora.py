@@ -80,10 +80,9 @@ def test_check_lora_before_start_up(tiny_qwen2):
 
 
 def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
-    from rlhf.rules import holds_reference_model
-    from rlhf.lora import serves_adapters
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, choose_transport
     from rlhf.lora import serves_adapters
+    from rlhf.rules import holds_reference_model
 
     assert holds_reference_model(_cfg("grpo.kl_coef=0.05"))
     assert not holds_reference_model(_cfg("grpo.kl_coef=0.05", "learner.lora_rank=8"))
@@ -182,17 +181,15 @@ def _learner(backend: str, rank: int, world: int, port: int, model_path: str, cf
              with_reference: bool = False):
     if backend.startswith("deepspeed"):
         cfg = dataclasses.replace(cfg, backend="deepspeed", zero_stage=int(backend[-1]))
-    if backend == "fsdp2":
-        from actors.fsdp2_learner import FSDP2Learner as cls
-    else:
-        from actors.deepspeed_learner import DeepSpeedLearner as cls
-    return cls(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
+    from actors.learner_base import LearnerRank
+
+    return LearnerRank(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
                model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0,
                with_reference=with_reference, seed=0)
 
 
 def _raw(learner) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in learner._full_parameters(keep=True)}
+    return {n: t.detach().clone() for n, t in learner.sharding.full_parameters(keep=True)}
 
 
 def _grpo_rank(rank, world, port, backend, model_path, cfg, batch, out):

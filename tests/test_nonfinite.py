@@ -39,14 +39,10 @@ class NanLoss(GRPOObjective):
 
 
 def _learner(model_path: str, lr: float, backend: str = "fsdp2"):
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
     cfg = LearnerConfig(lr=lr, micro_batch_size=2, max_grad_norm=1.0, backend=backend)
-    if backend == "deepspeed":
-        from actors.deepspeed_learner import DeepSpeedLearner as cls
-    else:
-        cls = FSDP2Learner
-    return cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, model_path=model_path,
+    return LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, model_path=model_path,
                model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0, with_reference=False, seed=0)
 
 
@@ -80,8 +76,8 @@ def _rank_main(rank: int, model_path: str, out: str) -> None:
     nan_batch = _nan_advantage(batch)
     res = {"initial": _weights(learner)}
     res["nan_loss"] = (learner.train_step(batch, NanLoss(loss_agg="token-mean")), _weights(learner))
-    res["nan_grad"] = (learner.train_step(nan_batch, GRPO), _weights(learner), len(learner.optimizer.state),
-                       learner.scheduler.last_epoch)
+    res["nan_grad"] = (learner.train_step(nan_batch, GRPO), _weights(learner), len(learner.sharding.optimizer.state),
+                       learner.sharding.scheduler.last_epoch)
     res["clean"] = (learner.train_step(batch, GRPO), _weights(learner))
     for lr in (1e30, 1e39):
         health = TrainHealth(3, lr=lr, max_grad_norm=1.0, dtype="float32")

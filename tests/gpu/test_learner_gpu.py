@@ -32,10 +32,10 @@ def _step(model_path: str, learner_cfg: LearnerConfig, batch: TrainBatch):
     """One learner rank in this process (its own one-rank process group on a kernel-picked port)."""
     import torch.distributed as dist
 
-    from actors.fsdp2_learner import FSDP2Learner
+    from actors.learner_base import LearnerRank
 
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
-    learner = FSDP2Learner(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
+    learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                            model_path=model_path, model_cfg=ModelConfig(dtype="bfloat16"), learner_cfg=learner_cfg,
                            temperature=1.0, with_reference=False, seed=0, driver_store=True)
     try:
