@@ -71,6 +71,14 @@ def _grpo(c: RunConfig) -> None:
     check(g.updates_per_step >= 1, "grpo.updates_per_step", "an integer >= 1", g.updates_per_step)
     check(g.max_staleness >= 0, "grpo.max_staleness", "an integer >= 0 (0 = on-policy)", g.max_staleness)
     check(g.is_cap >= 1 and math.isfinite(g.is_cap), "grpo.is_cap", "a finite number >= 1", g.is_cap)
+    check(0 <= g.overlong_buffer <= c.generation.max_new_tokens, "grpo.overlong_buffer",
+          f"an integer in [0, generation.max_new_tokens={c.generation.max_new_tokens}] (0 = a quarter of it)",
+          g.overlong_buffer)
+    check(g.overlong_penalty_factor >= 0 and math.isfinite(g.overlong_penalty_factor),
+          "grpo.overlong_penalty_factor", "a finite number >= 0", g.overlong_penalty_factor)
+    check(g.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "an integer >= 1", g.max_sampling_rounds)
+    check(not (g.dynamic_sampling and g.max_staleness > 0), "grpo.dynamic_sampling",
+          "false with grpo.max_staleness > 0 (it decides on rewards before the next generation)", g.dynamic_sampling)
 
 
 def _dpo(c: RunConfig) -> None:
