@@ -16,8 +16,9 @@ Choices:
    generations were made: then the step trains on the informative groups it has, or, when there
    are none, on the first round's groups as they are (zero advantages, a step that changes nothing
    but is logged). On-policy only (`max_staleness=0`; the config refuses it otherwise).
-4. The step's reward metrics and engine metrics are those of its first round (what the step would
-   have logged without dynamic sampling); `reward/mean` and the lengths are of the kept samples.
+4. The step's reward metrics (`reward/mean`: the reward functions' mean, before shaping) and engine
+   metrics are those of its first round (what the step would have logged without dynamic sampling);
+   `reward/std`, the lengths and `dynamic/reward_mean` (shaped) are of the samples trained on.
 5. Over-long filtering (`grpo.overlong: filter`): truncated responses keep their part in their
    group's baseline and are left out of the loss by zeroing their loss-mask rows (rlhf.algo.overlong).
 
@@ -25,7 +26,8 @@ Metrics: `overlong/filtered_frac` (share of the step's samples left out of the l
 `overlong/penalty_mean` (mean shaping penalty over the step's samples, <= 0),
 `dynamic/groups_dropped` (constant groups dropped, over all rounds), `dynamic/extra_rounds`
 (generations past the first), `dynamic/informative_frac` (informative groups / groups generated),
-`dynamic/short_groups` (groups the step lacked when the cap was reached; 0 when it was filled).
+`dynamic/short_groups` (groups the step lacked when the cap was reached; 0 when it was filled),
+`dynamic/reward_mean` (mean reward of the groups trained on, shaping included).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: 
     dynamic = {"dynamic/groups_dropped": float(generated - len(keep)), "dynamic/extra_rounds": float(len(rounds) - 1),
                "dynamic/informative_frac": len(keep) / generated, "dynamic/short_groups": float(max(want - len(keep), 0))}
     kept = select_groups(rounds, keep[:want]) if keep else rollouts
-    return kept, {**metrics, **dynamic}
+    return kept, {**metrics, **dynamic, "dynamic/reward_mean": float(kept.rewards.mean())}
 
 
 def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: PhaseTimer) -> dict[str, float]:

@@ -129,7 +129,7 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step():
     drawn = order[: 4 * rounds]
     assert metrics["dynamic/groups_dropped"] == sum(i % 3 == 0 for i in drawn)
     assert metrics["dynamic/informative_frac"] == pytest.approx(sum(i % 3 != 0 for i in drawn) / len(drawn))
-    assert metrics["dynamic/short_groups"] == 0
+    assert metrics["dynamic/short_groups"] == 0 and metrics["dynamic/reward_mean"] == 0.5
     assert len(set(engines.seeds)) == rounds  # each round its own seed
     assert stream.state_dict()["position"] == 4 * rounds  # the extra prompts left the same stream
 
@@ -182,7 +182,8 @@ def test_shaping_and_filtering_in_the_step():
 STEPS = 3
 DAPO = [f"grpo.steps={STEPS}", "save_every=1", "data.num_train=64", "data.num_eval=4", "grpo.prompts_per_step=4",
         "grpo.group_size=2", "generation.max_new_tokens=16", "grpo.dynamic_sampling=true",
-        "grpo.max_sampling_rounds=3", "grpo.overlong=shape", "grpo.overlong_buffer=8"]
+        "grpo.max_sampling_rounds=3", "grpo.overlong=shape", "grpo.overlong_buffer=8",
+        "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction_or_constant}]"]
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "response_len/mean", "grad_norm", "dynamic/groups_dropped",
                  "dynamic/extra_rounds", "dynamic/informative_frac", "overlong/penalty_mean"]
 
@@ -199,6 +200,7 @@ def test_dynamic_sampling_end_to_end_and_resume(tmp_path):
     _train(out)
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
+    assert sum(r["dynamic/groups_dropped"] for r in records) > 0
     for r in records:
         assert 0 <= r["dynamic/extra_rounds"] <= 2 and 0 <= r["dynamic/informative_frac"] <= 1
         assert r["dynamic/groups_dropped"] >= 0 and -1 <= r["overlong/penalty_mean"] <= 0
