@@ -91,9 +91,14 @@ class GenerationConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardFnConfig:
-    function: str
+    function: str = ""
     """`package.module:function` or `path/to/file.py:function`."""
+    model: str = ""
+    """Instead of `function`: a reward model, an HF sequence-classification folder with one output
+    (rlhf.reward_model), scored on the CPU of the reward worker with its chat template applied."""
     weight: float = 1.0
+    batch_size: int = 8
+    """Samples per forward pass of a reward `model`."""
 
 
 @dataclass(frozen=True, kw_only=True)

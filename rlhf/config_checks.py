@@ -154,8 +154,14 @@ def _reward(c: RunConfig) -> None:
     check(0 < r.warn_failed_frac <= 1, "reward.warn_failed_frac", "a number in (0, 1]", r.warn_failed_frac)
     check(r.num_workers >= 1, "reward.num_workers", "an integer >= 1", r.num_workers)
     for i, fn in enumerate(r.functions):
-        check(":" in fn.function, f"reward.functions[{i}].function",
+        if not fn.function and not fn.model:
+            raise ConfigError(f"reward.functions[{i}].function is required (or reward.functions[{i}].model, "
+                              f"a reward model folder)", key=f"reward.functions[{i}]")
+        check(not (fn.function and fn.model), f"reward.functions[{i}].model", "empty when "
+              f"reward.functions[{i}].function is set (one reward per entry)", fn.model)
+        check(bool(fn.model) or ":" in fn.function, f"reward.functions[{i}].function",
               "'package.module:function' or 'path/to/file.py:function'", fn.function)
+        check(fn.batch_size >= 1, f"reward.functions[{i}].batch_size", "an integer >= 1", fn.batch_size)
         check(math.isfinite(fn.weight), f"reward.functions[{i}].weight", "a finite number", fn.weight)
 
 
@@ -212,7 +218,7 @@ def _grpo_can_learn(c: RunConfig) -> None:
     weights = [fn.weight for fn in c.reward.functions]
     check(any(w != 0 for w in weights), "reward.functions",
           "at least one weight != 0 (every reward, so every advantage, would be 0)",
-          [f"{fn.function} (weight {fn.weight:g})" for fn in c.reward.functions])
+          [f"{fn.function or fn.model} (weight {fn.weight:g})" for fn in c.reward.functions])
     check(g.updates_per_step == 1 or g.clip_low > 0 or g.clip_high > 0, "grpo.clip_high",
           f"> 0 (or grpo.clip_low > 0) with grpo.updates_per_step={g.updates_per_step}: a clip range of "
           f"[1, 1] clips every token once the first update moves the ratio, so the later updates change "
