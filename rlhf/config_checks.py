@@ -78,7 +78,8 @@ def _grpo(c: RunConfig) -> None:
           "grpo.overlong_penalty_factor", "a finite number >= 0", g.overlong_penalty_factor)
     check(g.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "an integer >= 1", g.max_sampling_rounds)
     check(not (g.dynamic_sampling and g.max_staleness > 0), "grpo.dynamic_sampling",
-          "false with grpo.max_staleness > 0 (it decides on rewards before the next generation)", g.dynamic_sampling)
+          "false with grpo.max_staleness > 0 (it decides on rewards before the next generation)",
+          g.dynamic_sampling)
 
 
 def _dpo(c: RunConfig) -> None:

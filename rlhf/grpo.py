@@ -78,7 +78,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
-        rollouts, sampling_metrics = collect_rollouts(step, rollout_queue, cluster.rewards, cfg, timer)  # choice 9
+        # generate and reward; dynamic sampling and over-long shaping when on (choice 9)
+        rollouts, sampling_metrics = collect_rollouts(step, rollout_queue, cluster.rewards, cfg, timer)
         reward_health.check(rollouts.reward_metrics)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch, overlong_metrics = filter_overlong(

@@ -38,9 +38,11 @@ def check_reward_model(path: str) -> None:
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise RewardLoadError(f"reward model '{path}' cannot be loaded: {' '.join(str(e).split())[:200]}") from None
+        why = " ".join(str(e).split())[:200]
+        raise RewardLoadError(f"reward model '{path}' cannot be loaded: {why}") from None
     if config.num_labels != 1:
-        raise RewardLoadError(f"reward model '{path}' has {config.num_labels} outputs; a reward model has one")
+        raise RewardLoadError(f"reward model '{path}' has {config.num_labels} outputs; "
+                              "a reward model has one")
 
 
 def reward_model_name(path: str) -> str:

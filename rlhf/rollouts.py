@@ -93,7 +93,8 @@ class RolloutQueue:
         """Another `prompts_per_step` prompts of step `step`, generated now with the weights the
         engines hold (choice 5); only with nothing queued (max_staleness = 0)."""
         if self._queue:
-            raise RuntimeError(f"extra rollouts for step {step} asked for with {len(self._queue)} steps queued")
+            raise RuntimeError(f"extra rollouts for step {step} asked for with {len(self._queue)} "
+                               "steps queued")
         self._submit(step, version=step, round=round)
         item = self._queue.pop()
         item.wait()

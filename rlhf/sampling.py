@@ -67,13 +67,16 @@ def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: 
         keep += [(round, i) for i in informative.nonzero().flatten().tolist()]
         if len(keep) >= want:
             break
-    dynamic = {"dynamic/groups_dropped": float(generated - len(keep)), "dynamic/extra_rounds": float(len(rounds) - 1),
-               "dynamic/informative_frac": len(keep) / generated, "dynamic/short_groups": float(max(want - len(keep), 0))}
+    dynamic = {"dynamic/groups_dropped": float(generated - len(keep)),
+               "dynamic/extra_rounds": float(len(rounds) - 1),
+               "dynamic/informative_frac": len(keep) / generated,
+               "dynamic/short_groups": float(max(want - len(keep), 0))}
     kept = select_groups(rounds, keep[:want]) if keep else rollouts
     return kept, {**metrics, **dynamic, "dynamic/reward_mean": float(kept.rewards.mean())}
 
 
-def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: PhaseTimer) -> dict[str, float]:
+def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: PhaseTimer
+          ) -> dict[str, float]:
     """Set `rollouts.rewards` (choice 1, then the over-long penalty of choice 2) and its reward metrics;
     returns the over-long metrics."""
     g = cfg.grpo.group_size
@@ -86,8 +89,9 @@ def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: P
     if cfg.grpo.overlong != "shape":
         return {}
     max_len = cfg.generation.max_new_tokens
-    penalty = overlong_penalty(torch.tensor([response_length(c) for c in rollouts.completions]), max_len,
-                               cfg.grpo.overlong_buffer or max(max_len // 4, 1), cfg.grpo.overlong_penalty_factor)
+    buffer = cfg.grpo.overlong_buffer or max(max_len // 4, 1)
+    lengths = torch.tensor([response_length(c) for c in rollouts.completions])
+    penalty = overlong_penalty(lengths, max_len, buffer, cfg.grpo.overlong_penalty_factor)
     rollouts.rewards = rollouts.rewards + penalty
     return {"overlong/penalty_mean": float(penalty.mean())}
 
@@ -108,10 +112,12 @@ def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> Ro
         prompt_ids.append(src.prompt_ids[i])
         completions += src.completions[i * g:(i + 1) * g]
         rewards.append(src.rewards[i * g:(i + 1) * g])
-    return replace(rounds[0], rows=rows, prompt_ids=prompt_ids, completions=completions, rewards=torch.cat(rewards))
+    return replace(rounds[0], rows=rows, prompt_ids=prompt_ids, completions=completions,
+                   rewards=torch.cat(rewards))
 
 
-def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, cfg: RunConfig) -> tuple[TrainBatch, dict[str, float]]:
+def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, cfg: RunConfig
+                    ) -> tuple[TrainBatch, dict[str, float]]:
     """With `grpo.overlong: filter`, the batch with the truncated responses out of the loss (choice 5)
     and `overlong/filtered_frac`; otherwise the batch as it is and no metric."""
     if cfg.grpo.overlong != "filter":

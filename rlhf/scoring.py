@@ -33,10 +33,12 @@ def correctness_spec(cfg: RunConfig) -> str:
     """The reward function that decides correctness (choice 2)."""
     from rewards.tasks import TASK_REWARDS
 
-    spec = TASK_REWARDS.get(cfg.data.task) or next((f.function for f in cfg.reward.functions if f.function), None)
+    first_function = next((f.function for f in cfg.reward.functions if f.function), None)
+    spec = TASK_REWARDS.get(cfg.data.task) or first_function
     if spec is None:
-        raise ConfigError(f"data.task={cfg.data.task!r} has no answer checker and reward.functions has only reward "
-                          "models: evaluation needs a reward function that decides correctness", key="data.task")
+        raise ConfigError(f"data.task={cfg.data.task!r} has no answer checker and reward.functions has only "
+                          "reward models: evaluation needs a reward function that decides correctness",
+                          key="data.task")
     return spec
 
 
@@ -97,7 +99,8 @@ class PoolScorer:
         if self.pool is None:
             rewards, metrics = [0.0] * len(texts), {"reward/failed": 0.0, "reward/timeouts": 0.0}
         else:
-            rewards, metrics = self.pool.score([r.user_text() for r in rows], texts, [r.reward_kwargs() for r in rows])
+            rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
+                                               [r.reward_kwargs() for r in rows])
         out = torch.tensor(rewards, dtype=torch.float32)
         for name, model, weight in self.models:  # choice 3
             scores = torch.tensor(model.score(rows, texts), dtype=torch.float32)

@@ -47,9 +47,11 @@ def test_overlong_penalty_hand_computed():
 def test_filter_zeroes_truncated_rows_and_keeps_the_denominators_right():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 0, 0]], dtype=torch.bool)
     out = filter_truncated(mask, torch.tensor([False, True, False]))
-    assert out.tolist() == [[False, True, True, True], [False, False, False, False], [False, True, False, False]]
-    batch = TrainBatch(input_ids=torch.zeros(3, 4, dtype=torch.long), attention_mask=torch.ones(3, 4, dtype=torch.bool),
-                       loss_mask=out, advantages=torch.tensor([1.0, 5.0, -1.0]))
+    assert out.tolist() == [[False, True, True, True], [False, False, False, False],
+                            [False, True, False, False]]
+    batch = TrainBatch(input_ids=torch.zeros(3, 4, dtype=torch.long),
+                       attention_mask=torch.ones(3, 4, dtype=torch.bool), loss_mask=out,
+                       advantages=torch.tensor([1.0, 5.0, -1.0]))
     assert GRPOObjective().num_units(batch) == 4  # tokens of rows 0 and 2 only
     assert GRPOObjective(loss_agg="seq-mean-token-mean").num_units(batch) == 2
     # On-policy (ratio 1) token-mean loss: -(3 * 1 + 1 * -1) / 4; the filtered row's advantage 5 is nowhere.
@@ -67,7 +69,8 @@ def test_informative_groups():
 
 def test_config_keys_and_refusals():
     cfg = load_config(None, ["grpo.overlong=shape", "grpo.overlong_buffer=16", "grpo.dynamic_sampling=true"])
-    assert cfg.grpo.overlong == "shape" and cfg.grpo.overlong_buffer == 16 and cfg.grpo.max_sampling_rounds == 4
+    assert cfg.grpo.overlong == "shape" and cfg.grpo.overlong_buffer == 16
+    assert cfg.grpo.max_sampling_rounds == 4
     for overrides, message in [
         (["grpo.overlong=drop"], "grpo.overlong='drop' is not allowed: one of 'none', 'filter', 'shape'"),
         (["grpo.overlong_buffer=65"], "grpo.overlong_buffer=65 is not allowed: an integer in [0, generation"),
@@ -92,7 +95,8 @@ class FakeEngines:
 
     def submit(self, prompt_ids, sampling):
         self.seeds.append(sampling.seed)
-        return Finished([Completion([p[0], k][: 1 + k % 2], [0.0] * (1 + k % 2), "length" if k % 2 else "stop")
+        return Finished([Completion([p[0], k][: 1 + k % 2], [0.0] * (1 + k % 2),
+                                    "length" if k % 2 else "stop")
                          for p in prompt_ids for k in range(sampling.n)])
 
 
@@ -173,19 +177,20 @@ def test_shaping_and_filtering_in_the_step():
     batch = TrainBatch(input_ids=torch.zeros(8, 3, dtype=torch.long), attention_mask=mask, loss_mask=mask,
                        advantages=torch.zeros(8))
     filtered, metrics = filter_overlong(batch, rollouts, cfg)
-    assert filtered.loss_mask.any(-1).tolist() == [True, False] * 4 and metrics == {"overlong/filtered_frac": 0.5}
+    assert filtered.loss_mask.any(-1).tolist() == [True, False] * 4
+    assert metrics == {"overlong/filtered_frac": 0.5}
 
 
 # ------------------------------------------------------------------------------------------------
 # End to end
 
 STEPS = 3
-DAPO = [f"grpo.steps={STEPS}", "save_every=1", "data.num_train=64", "data.num_eval=4", "grpo.prompts_per_step=4",
-        "grpo.group_size=2", "generation.max_new_tokens=16", "grpo.dynamic_sampling=true",
+DAPO = [f"grpo.steps={STEPS}", "save_every=1", "data.num_train=64", "data.num_eval=4",
+        "grpo.prompts_per_step=4", "grpo.group_size=2", "generation.max_new_tokens=16", "grpo.dynamic_sampling=true",
         "grpo.max_sampling_rounds=3", "grpo.overlong=shape", "grpo.overlong_buffer=8",
         "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction_or_constant}]"]
-DETERMINISTIC = ["reward/mean", "reward/std", "loss", "response_len/mean", "grad_norm", "dynamic/groups_dropped",
-                 "dynamic/extra_rounds", "dynamic/informative_frac", "overlong/penalty_mean"]
+DETERMINISTIC = ["reward/mean", "reward/std", "loss", "response_len/mean", "grad_norm",
+                 "dynamic/groups_dropped", "dynamic/extra_rounds", "dynamic/informative_frac", "overlong/penalty_mean"]
 
 
 def _train(out: Path, *extra: str) -> None:

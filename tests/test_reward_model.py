@@ -36,13 +36,14 @@ def test_the_scorer_equals_hf_on_the_same_text(rm_path):
     model = AutoModelForSequenceClassification.from_pretrained(rm_path, dtype=torch.float32).eval()
     texts = [tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"},
                                       {"role": "assistant", "content": "5"}], tokenize=False),
-             tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"},
-                                      {"role": "assistant", "content": RESPONSES[1]}], tokenize=False),
+             tok.apply_chat_template([*ROWS[1].prompt, {"role": "assistant", "content": RESPONSES[1]}],
+                                     tokenize=False),
              tok.apply_chat_template([{"role": "user", "content": ROWS[2].prompt},
                                       {"role": "assistant", "content": RESPONSES[2]}], tokenize=False)]
     assert texts[0] == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
     with torch.no_grad():
-        want = [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() for t in texts]
+        want = [model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                for t in texts]
     assert got == pytest.approx(want, abs=1e-5)
     assert len(set(round(v, 6) for v in got)) == 3  # the texts differ, so do the scores
 
@@ -71,12 +72,15 @@ def test_weighted_mixing_with_a_function(rm_path):
 
 
 def test_config_and_start_up_checks(rm_path, tmp_path):
-    cfg = load_config(None, [f"reward.functions=[{{model: {rm_path}, weight: 0.5}}, {{function: rewards.answers:exact_answer}}]"])
+    cfg = load_config(None, [f"reward.functions=[{{model: {rm_path}, weight: 0.5}}, "
+                             "{function: rewards.answers:exact_answer}]"])
     assert cfg.reward.functions[0].model == str(rm_path) and cfg.reward.functions[0].batch_size == 8
     for overrides, message in [
-        (["reward.functions=[{weight: 1}]"], "reward.functions[0].function is required (or reward.functions[0].model"),
+        (["reward.functions=[{weight: 1}]"],
+         "reward.functions[0].function is required (or reward.functions[0].model"),
         ([f"reward.functions=[{{model: {rm_path}, function: a:b}}]"], "reward.functions[0].model="),
-        ([f"reward.functions=[{{model: {rm_path}, batch_size: 0}}]"], "reward.functions[0].batch_size=0 is not allowed"),
+        ([f"reward.functions=[{{model: {rm_path}, batch_size: 0}}]"],
+         "reward.functions[0].batch_size=0 is not allowed"),
     ]:
         with pytest.raises(ConfigError) as err:
             load_config(None, overrides)
@@ -96,7 +100,8 @@ def test_a_run_scores_with_a_reward_model_in_the_reward_worker(rm_path, tmp_path
     from rlhf.run.metrics import read_metrics
     from tests.runs import run_training
 
-    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path / "run", "grpo.steps=1",
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path / "run",
+                        "grpo.steps=1",
                         "data.num_eval=4", f"reward.functions=[{{function: rewards.tasks:arithmetic}}, "
                         f"{{model: {rm_path}, weight: 0.5, batch_size: 4}}]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
