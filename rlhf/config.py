@@ -91,9 +91,14 @@ class GenerationConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RewardFnConfig:
-    function: str
+    function: str = ""
     """`package.module:function` or `path/to/file.py:function`."""
+    model: str = ""
+    """Instead of `function`: a reward model, an HF sequence-classification folder with one output
+    (rlhf.reward_model), scored on the CPU of the reward worker with its chat template applied."""
     weight: float = 1.0
+    batch_size: int = 8
+    """Samples per forward pass of a reward `model`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -152,6 +157,20 @@ class GRPOConfig:
     above it, `none` leaves them out; `auto` is tis with max_staleness > 0, else none."""
     is_cap: float = 2.0
     """The cap of `is_correction` (TRL's vllm_importance_sampling_clip_max)."""
+    overlong: Literal["none", "filter", "shape"] = "none"
+    """Responses cut at generation.max_new_tokens (rlhf.algo.overlong): `filter` leaves them out of
+    the loss, `shape` adds DAPO's soft length penalty to the reward, `none` trains on them as they are."""
+    overlong_buffer: int = 0
+    """B of `overlong: shape`: the penalty grows from 0 at max_new_tokens - B to -overlong_penalty_factor
+    at max_new_tokens (0: max_new_tokens // 4)."""
+    overlong_penalty_factor: float = 1.0
+    """The penalty of a response at the cap, with `overlong: shape`."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (rlhf.sampling): groups whose rewards are all equal are dropped and more
+    prompts generated, `prompts_per_step` at a time, until the step has `prompts_per_step` informative
+    groups or `max_sampling_rounds` generations were made (then it trains on what there is)."""
+    max_sampling_rounds: int = 4
+    """Generations per step at most with `dynamic_sampling`, the first one included."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,6 +71,15 @@ def _grpo(c: RunConfig) -> None:
     check(g.updates_per_step >= 1, "grpo.updates_per_step", "an integer >= 1", g.updates_per_step)
     check(g.max_staleness >= 0, "grpo.max_staleness", "an integer >= 0 (0 = on-policy)", g.max_staleness)
     check(g.is_cap >= 1 and math.isfinite(g.is_cap), "grpo.is_cap", "a finite number >= 1", g.is_cap)
+    check(0 <= g.overlong_buffer <= c.generation.max_new_tokens, "grpo.overlong_buffer",
+          f"an integer in [0, generation.max_new_tokens={c.generation.max_new_tokens}] (0 = a quarter of it)",
+          g.overlong_buffer)
+    check(g.overlong_penalty_factor >= 0 and math.isfinite(g.overlong_penalty_factor),
+          "grpo.overlong_penalty_factor", "a finite number >= 0", g.overlong_penalty_factor)
+    check(g.max_sampling_rounds >= 1, "grpo.max_sampling_rounds", "an integer >= 1", g.max_sampling_rounds)
+    check(not (g.dynamic_sampling and g.max_staleness > 0), "grpo.dynamic_sampling",
+          "false with grpo.max_staleness > 0 (it decides on rewards before the next generation)",
+          g.dynamic_sampling)
 
 
 def _dpo(c: RunConfig) -> None:
@@ -146,8 +155,14 @@ def _reward(c: RunConfig) -> None:
     check(0 < r.warn_failed_frac <= 1, "reward.warn_failed_frac", "a number in (0, 1]", r.warn_failed_frac)
     check(r.num_workers >= 1, "reward.num_workers", "an integer >= 1", r.num_workers)
     for i, fn in enumerate(r.functions):
-        check(":" in fn.function, f"reward.functions[{i}].function",
+        if not fn.function and not fn.model:
+            raise ConfigError(f"reward.functions[{i}].function is required (or reward.functions[{i}].model, "
+                              f"a reward model folder)", key=f"reward.functions[{i}]")
+        check(not (fn.function and fn.model), f"reward.functions[{i}].model", "empty when "
+              f"reward.functions[{i}].function is set (one reward per entry)", fn.model)
+        check(bool(fn.model) or ":" in fn.function, f"reward.functions[{i}].function",
               "'package.module:function' or 'path/to/file.py:function'", fn.function)
+        check(fn.batch_size >= 1, f"reward.functions[{i}].batch_size", "an integer >= 1", fn.batch_size)
         check(math.isfinite(fn.weight), f"reward.functions[{i}].weight", "a finite number", fn.weight)
 
 
@@ -204,7 +219,7 @@ def _grpo_can_learn(c: RunConfig) -> None:
     weights = [fn.weight for fn in c.reward.functions]
     check(any(w != 0 for w in weights), "reward.functions",
           "at least one weight != 0 (every reward, so every advantage, would be 0)",
-          [f"{fn.function} (weight {fn.weight:g})" for fn in c.reward.functions])
+          [f"{fn.function or fn.model} (weight {fn.weight:g})" for fn in c.reward.functions])
     check(g.updates_per_step == 1 or g.clip_low > 0 or g.clip_high > 0, "grpo.clip_high",
           f"> 0 (or grpo.clip_low > 0) with grpo.updates_per_step={g.updates_per_step}: a clip range of "
           f"[1, 1] clips every token once the first update moves the ratio, so the later updates change "

@@ -28,6 +28,10 @@ Algorithmic choices (each a config key):
    generate, reward, train, sync. Stale samples are corrected by importance weights
    (`grpo.is_correction`, rlhf.algo.losses point 5); `async/staleness` logs the lag. Colocated on a
    GPU, the engines sleep while the learners train, so there the overlap is nil.
+9. DAPO's sampling (rlhf.sampling), each off by default: `grpo.dynamic_sampling` drops groups whose
+   rewards are all equal and generates more prompts until the step has `prompts_per_step`
+   informative groups (at most `grpo.max_sampling_rounds` generations); `grpo.overlong` filters
+   truncated responses out of the loss or adds a soft length penalty to their reward.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
 from rlhf.data.batching import rollouts_to_batch
 from rlhf.data.prompts import PromptStream
-from rlhf.env.episodes import EpisodeSampler, with_env_rewards
+from rlhf.env.episodes import EpisodeSampler
 from rlhf.errors import RunError
 from rlhf.evaluate import Evaluator
 from rlhf.protocols import Cluster, Generator
@@ -50,6 +54,7 @@ from rlhf.rollouts import RolloutQueue
 from rlhf.rules import scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint
 from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
+from rlhf.sampling import collect_rollouts, filter_overlong
 from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 
@@ -73,17 +78,12 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
-        with timer("generate"):  # the engines hold the weights of `step` updates
-            rollouts = rollout_queue.next(step)
-        with timer("reward"):
-            rollouts.rewards, rollouts.reward_metrics = cluster.rewards.score(
-                [rollouts.rows[i // cfg.grpo.group_size] for i in range(len(rollouts.completions))],
-                [c.model_token_ids() for c in rollouts.completions],  # the scorer decodes them, in one batch
-            )
-            rollouts.rewards = with_env_rewards(rollouts.rewards, rollouts.completions)
+        # generate and reward; dynamic sampling and over-long shaping when on (choice 9)
+        rollouts, sampling_metrics = collect_rollouts(step, rollout_queue, cluster.rewards, cfg, timer)
         reward_health.check(rollouts.reward_metrics)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
-        batch = rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id)
+        batch, overlong_metrics = filter_overlong(
+            rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg)  # choice 9
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
         train_health.check(step, train_metrics)  # before the weights go anywhere
@@ -93,7 +93,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
             sync_metrics = cluster.weight_sync.push(version=step + 1)
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
         log.log(step, {**step_metrics(step, rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
-                       **sync_metrics, **evals})
+                       **sync_metrics, **sampling_metrics, **overlong_metrics, **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()},
                             keep=cfg.keep_checkpoints)

@@ -14,6 +14,9 @@ Choices:
    weights that generated them are in no checkpoint, so they could not be regenerated. A resumed
    run trains on the very samples the interrupted run would have.
 4. Sampling seeds derive from (run seed, step): the schedule never changes the samples.
+5. `more` generates extra prompts for the step being trained (dynamic sampling, rlhf.sampling),
+   on-policy only: they come from the same prompt stream, so its checkpointed position covers
+   them, and round r of a step samples with its own seed (derived from run seed, step, r).
 """
 
 from __future__ import annotations
@@ -86,18 +89,32 @@ class RolloutQueue:
                             group_size=self.cfg.grpo.group_size, engine_metrics=item.engine_metrics,
                             version=item.version)
 
+    def more(self, step: int, round: int) -> RolloutBatch:
+        """Another `prompts_per_step` prompts of step `step`, generated now with the weights the
+        engines hold (choice 5); only with nothing queued (max_staleness = 0)."""
+        if self._queue:
+            raise RuntimeError(f"extra rollouts for step {step} asked for with {len(self._queue)} "
+                               "steps queued")
+        self._submit(step, version=step, round=round)
+        item = self._queue.pop()
+        item.wait()
+        return RolloutBatch(rows=item.rows, prompt_ids=item.prompt_ids, completions=item.completions,
+                            group_size=self.cfg.grpo.group_size, engine_metrics=item.engine_metrics,
+                            version=item.version)
+
     def finish(self) -> None:
         """Wait for every generation still running (before weights change: choice 2)."""
         for item in self._queue:
             item.wait()
 
-    def _submit(self, step: int, version: int) -> None:
+    def _submit(self, step: int, version: int, round: int = 0) -> None:
         rows, prompt_ids = map(list, zip(*self.prompts.take(self.cfg.grpo.prompts_per_step)))
         item = _Queued(step=step, version=version, rows=rows, prompt_ids=prompt_ids)
+        spec = sampling_spec(self.cfg, step, round)
         if self.episodes is not None:
-            item.pending = Finished(*self.episodes(rows, prompt_ids, sampling_spec(self.cfg, step)))
+            item.pending = Finished(*self.episodes(rows, prompt_ids, spec))
         else:
-            item.pending = self.generator.submit(prompt_ids, sampling_spec(self.cfg, step))
+            item.pending = self.generator.submit(prompt_ids, spec)
         self._queue.append(item)
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,11 +132,13 @@ class RolloutQueue:
         self._queue = deque(_Queued(**q) for q in queued)
 
 
-def sampling_spec(cfg: RunConfig, step: int) -> SamplingSpec:
+def sampling_spec(cfg: RunConfig, step: int, round: int = 0) -> SamplingSpec:
     """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed
-    run draws the same samples as an uninterrupted one, whatever the number of engines."""
+    run draws the same samples as an uninterrupted one, whatever the number of engines. Extra round
+    r > 0 of a step (choice 5) offsets the seed by r * 2**32, beyond every step's and the evaluation's."""
     gen = cfg.generation
     return SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step, ignore_eos=gen.ignore_eos,
+        top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step + (round << 32),
+        ignore_eos=gen.ignore_eos,
     )

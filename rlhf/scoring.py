@@ -13,6 +13,9 @@ Choices:
    `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
    shaping terms (a format bonus) to its training reward; tasks without a default (local files)
    use the recipe's first reward function (`correctness_spec`).
+3. Reward models (`{model: path}` entries, rlhf.reward_model) run in the scorer's own process, after
+   the pool's functions, on the same texts; each adds weight * score to the sample's reward and
+   reports `reward/<rm_name>/mean`; `reward/mean` is then the mean of the mixed rewards.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rlhf.config import RewardFnConfig, RunConfig
+from rlhf.config import ConfigError, RewardFnConfig, RunConfig
 from rlhf.types import PromptRow
 
 
@@ -30,7 +33,13 @@ def correctness_spec(cfg: RunConfig) -> str:
     """The reward function that decides correctness (choice 2)."""
     from rewards.tasks import TASK_REWARDS
 
-    return TASK_REWARDS.get(cfg.data.task) or cfg.reward.functions[0].function
+    first_function = next((f.function for f in cfg.reward.functions if f.function), None)
+    spec = TASK_REWARDS.get(cfg.data.task) or first_function
+    if spec is None:
+        raise ConfigError(f"data.task={cfg.data.task!r} has no answer checker and reward.functions has only "
+                          "reward models: evaluation needs a reward function that decides correctness",
+                          key="data.task")
+    return spec
 
 
 
@@ -61,10 +70,15 @@ class PoolScorer:
         """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
         weight) pairs; a function that is not a 'module:function' spec needs num_workers=0)."""
         from rewards import RewardPool
+        from rlhf.reward_model import RewardModel, reward_model_name
 
         self.tokenizer = tokenizer
-        self.pool = RewardPool(list(functions), timeout_s=timeout_s, num_workers=num_workers,
-                               warn_failed_frac=warn_failed_frac)
+        models = [f for f in functions if isinstance(f, RewardFnConfig) and f.model]
+        functions = [f for f in functions if not (isinstance(f, RewardFnConfig) and f.model)]
+        self.models = [(reward_model_name(f.model), RewardModel(f.model, batch_size=f.batch_size), f.weight)
+                       for f in models]  # choice 3
+        self.pool = RewardPool(functions, timeout_s=timeout_s, num_workers=num_workers,
+                               warn_failed_frac=warn_failed_frac) if functions else None
 
     @classmethod
     def correctness(cls, cfg: RunConfig, tokenizer: Any) -> PoolScorer:
@@ -82,12 +96,23 @@ class PoolScorer:
     def score_and_warnings(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
                            ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         texts = decode_completions(self.tokenizer, token_ids)
-        rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
-                                           [r.reward_kwargs() for r in rows])
-        return torch.tensor(rewards, dtype=torch.float32), metrics, list(self.pool.warnings)
+        if self.pool is None:
+            rewards, metrics = [0.0] * len(texts), {"reward/failed": 0.0, "reward/timeouts": 0.0}
+        else:
+            rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
+                                               [r.reward_kwargs() for r in rows])
+        out = torch.tensor(rewards, dtype=torch.float32)
+        for name, model, weight in self.models:  # choice 3
+            scores = torch.tensor(model.score(rows, texts), dtype=torch.float32)
+            out += weight * scores
+            metrics[f"reward/{name}/mean"] = float(scores.mean()) if len(texts) else 0.0
+        if self.models:
+            metrics["reward/mean"] = float(out.mean()) if len(texts) else 0.0
+        return out, metrics, list(self.pool.warnings) if self.pool is not None else []
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 def print_lines(lines: Sequence[str]) -> None:

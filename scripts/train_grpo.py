@@ -33,10 +33,14 @@ def prepare_run(cfg):
     from rlhf.data.assets import resolve_model_path
     from rlhf.data.model_folder import check_context, check_model_files
     from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.reward_model import check_reward_model
     from rlhf.run.folder import check_resume
 
     for fn in cfg.reward.functions:
-        load_reward_fn(fn.function)
+        if fn.model:
+            check_reward_model(fn.model)
+        else:
+            load_reward_fn(fn.function)
     model_path = resolve_model_path(cfg.model.path)
     check_model_files(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

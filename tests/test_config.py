@@ -38,6 +38,8 @@ ALLOWED_KEYS = {
     "learner.lora_rank", "learner.lora_alpha", "learner.lora_dropout", "learner.lora_target_modules",
     "learner.lora_sync", "memory.plan", "memory.gpu", "memory.gpu_memory_gib",
     "grpo.max_staleness", "grpo.is_correction", "grpo.is_cap",
+    "grpo.overlong", "grpo.overlong_buffer", "grpo.overlong_penalty_factor", "grpo.dynamic_sampling",
+    "grpo.max_sampling_rounds",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
     "cluster.placement_strategy", "cluster.timeout_s", "cluster.address",

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("rlhf", "actors", "rewards", "scripts")
-LOOPS = {"rlhf.grpo", "rlhf.dpo", "rlhf.rollouts", "rlhf.evaluate"}
+LOOPS = {"rlhf.grpo", "rlhf.dpo", "rlhf.rollouts", "rlhf.sampling", "rlhf.evaluate"}
 """The training and evaluation loops: what rlhf/algo and rlhf/data serve, and never import."""
 
 
@@ -73,8 +73,9 @@ def test_every_module_sits_in_a_named_package():
     top = {p.name for p in (ROOT / "rlhf").glob("*.py")}
     assert top == {"__init__.py", "protocols.py", "types.py", "errors.py",  # contracts
                    "config.py", "config_checks.py", "config_loading.py",  # config
-                   "grpo.py", "dpo.py", "rollouts.py", "evaluate.py",  # the loops
-                   "scoring.py", "lora.py",  # what training and evaluation, learners and engines share
+                   "grpo.py", "dpo.py", "rollouts.py", "sampling.py", "evaluate.py",  # the loops
+                   "scoring.py", "reward_model.py",  # what training and evaluation, learners and engines share
+                   "lora.py",
                    "rules.py"}  # rules derived from a config that the cluster, planner and loops all ask
     for package in ("algo", "data", "run", "planner", "env"):
         assert ast.get_docstring(ast.parse((ROOT / "rlhf" / package / "__init__.py").read_text())), package

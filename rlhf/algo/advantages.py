@@ -55,3 +55,10 @@ def grpo_advantages(
     # Exact zeros for constant groups (see module docstring, point 4).
     constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     return centered.masked_fill(constant, 0.0).view(-1)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[num_prompts] bool: True for the groups whose rewards are not all equal, the only ones with a
+    non-zero advantage (point 4); DAPO's dynamic sampling keeps these (rlhf.sampling)."""
+    grouped = rewards.float().view(-1, group_size)
+    return grouped.amax(dim=1) != grouped.amin(dim=1)

@@ -121,10 +121,11 @@ class GRPOObjective:
                    is_correction=correction, is_cap=cfg.is_cap)
 
     def num_units(self, batch: TrainBatch) -> float:
-        """This batch's share of the step denominator: masked tokens (token-mean) or sequences."""
+        """This batch's share of the step denominator: masked tokens (token-mean) or the sequences
+        with at least one (a row filtered out of the loss, rlhf.algo.overlong, counts in neither)."""
         if self.loss_agg == "token-mean":
             return float(batch.loss_mask.sum())
-        return float(len(batch))
+        return float((batch.loss_mask.sum(-1) > 0).sum())
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TrainBatch, denominator: float

@@ -118,3 +118,20 @@ def build_tiny_model(name: str, out_dir: str | Path, *, seed: int = 0) -> Path:
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(out)
     stamp.write_text(json.dumps({"name": name, "seed": seed, "version": _VERSION}))
     return out
+
+
+def build_tiny_reward_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a random-weight tiny Qwen2 sequence classifier with one output (a reward model,
+    rlhf.reward_model) plus the tiny tokenizer to `out_dir`."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tokenizer = build_tokenizer(seed=seed)
+    config = _model_config("tiny-qwen2", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config.num_labels = 1
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

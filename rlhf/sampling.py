@@ -1,0 +1,127 @@
+"""A GRPO step's scored rollouts, with DAPO's sampling (Yu et al. 2025): `collect_rollouts` is the
+loop's one call for generate + reward; `filter_overlong` runs on the batch built from them.
+
+Choices:
+1. Rewards: the reward functions score the model's tokens; a multi-turn episode's environment
+   reward replaces theirs where it gave one (rlhf.env.episodes choice 6).
+2. Over-long shaping (`grpo.overlong: shape`): DAPO's soft length penalty (rlhf.algo.overlong) is
+   added to every reward before anything looks at the rewards, so dynamic sampling sees the
+   shaped rewards (a group that differs only in length is informative). A response's length is
+   the number of tokens the model wrote (an episode's model tokens, not its tool outputs).
+3. Dynamic sampling (`grpo.dynamic_sampling`): a group whose rewards are all equal has zero
+   advantages, so it is dropped; another `prompts_per_step` prompts are generated and scored
+   (`RolloutQueue.more`: the same prompt stream, so a checkpoint's position covers them and a
+   resumed run repeats the step) until `prompts_per_step` informative groups are kept, in the
+   order they were drawn (extra ones of the last round are dropped too), or `max_sampling_rounds`
+   generations were made: then the step trains on the informative groups it has, or, when there
+   are none, on the first round's groups as they are (zero advantages, a step that changes nothing
+   but is logged). On-policy only (`max_staleness=0`; the config refuses it otherwise).
+4. The step's reward metrics (`reward/mean`: the reward functions' mean, before shaping) and engine
+   metrics are those of its first round (what the step would have logged without dynamic sampling);
+   `reward/std`, the lengths and `dynamic/reward_mean` (shaped) are of the samples trained on.
+5. Over-long filtering (`grpo.overlong: filter`): truncated responses keep their part in their
+   group's baseline and are left out of the loss by zeroing their loss-mask rows (rlhf.algo.overlong).
+
+Metrics: `overlong/filtered_frac` (share of the step's samples left out of the loss),
+`overlong/penalty_mean` (mean shaping penalty over the step's samples, <= 0),
+`dynamic/groups_dropped` (constant groups dropped, over all rounds), `dynamic/extra_rounds`
+(generations past the first), `dynamic/informative_frac` (informative groups / groups generated),
+`dynamic/short_groups` (groups the step lacked when the cap was reached; 0 when it was filled),
+`dynamic/reward_mean` (mean reward of the groups trained on, shaping included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from rlhf.algo.advantages import informative_groups
+from rlhf.algo.overlong import filter_truncated, overlong_penalty
+from rlhf.config import RunConfig
+from rlhf.env.episodes import with_env_rewards
+from rlhf.protocols import RewardScorer
+from rlhf.rollouts import RolloutQueue
+from rlhf.run.metrics import PhaseTimer
+from rlhf.types import Completion, RolloutBatch, TrainBatch
+
+
+def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: RunConfig,
+                     timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
+    """Step `step`'s scored rollouts (choices 1-4) and the step's dynamic/ and overlong/ metrics;
+    generation and scoring time go to the timer's `generate` and `reward` phases."""
+    with timer("generate"):  # the engines hold the weights of `step` updates
+        rollouts = queue.next(step)
+    metrics = score(rollouts, scorer, cfg, timer)
+    if not cfg.grpo.dynamic_sampling:
+        return rollouts, metrics
+    want, g = cfg.grpo.prompts_per_step, cfg.grpo.group_size
+    keep, rounds, generated = [], [rollouts], 0
+    for round in range(cfg.grpo.max_sampling_rounds):
+        if round:
+            with timer("generate"):
+                rounds.append(queue.more(step, round))
+            score(rounds[-1], scorer, cfg, timer)
+        informative = informative_groups(rounds[-1].rewards, g)
+        generated += len(informative)
+        keep += [(round, i) for i in informative.nonzero().flatten().tolist()]
+        if len(keep) >= want:
+            break
+    dynamic = {"dynamic/groups_dropped": float(generated - len(keep)),
+               "dynamic/extra_rounds": float(len(rounds) - 1),
+               "dynamic/informative_frac": len(keep) / generated,
+               "dynamic/short_groups": float(max(want - len(keep), 0))}
+    kept = select_groups(rounds, keep[:want]) if keep else rollouts
+    return kept, {**metrics, **dynamic, "dynamic/reward_mean": float(kept.rewards.mean())}
+
+
+def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: PhaseTimer
+          ) -> dict[str, float]:
+    """Set `rollouts.rewards` (choice 1, then the over-long penalty of choice 2) and its reward metrics;
+    returns the over-long metrics."""
+    g = cfg.grpo.group_size
+    with timer("reward"):
+        rewards, rollouts.reward_metrics = scorer.score(
+            [rollouts.rows[i // g] for i in range(len(rollouts.completions))],
+            [c.model_token_ids() for c in rollouts.completions],  # the scorer decodes them, in one batch
+        )
+        rollouts.rewards = with_env_rewards(rewards, rollouts.completions)
+    if cfg.grpo.overlong != "shape":
+        return {}
+    max_len = cfg.generation.max_new_tokens
+    buffer = cfg.grpo.overlong_buffer or max(max_len // 4, 1)
+    lengths = torch.tensor([response_length(c) for c in rollouts.completions])
+    penalty = overlong_penalty(lengths, max_len, buffer, cfg.grpo.overlong_penalty_factor)
+    rollouts.rewards = rollouts.rewards + penalty
+    return {"overlong/penalty_mean": float(penalty.mean())}
+
+
+def response_length(c: Completion) -> int:
+    """Tokens the model wrote (choice 2)."""
+    return len(c.model_token_ids())
+
+
+def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> RolloutBatch:
+    """One RolloutBatch of the groups `keep` names as (round, group), in that order; reward and
+    engine metrics of the first round (choice 4)."""
+    g = rounds[0].group_size
+    rows, prompt_ids, completions, rewards = [], [], [], []
+    for r, i in keep:
+        src = rounds[r]
+        rows.append(src.rows[i])
+        prompt_ids.append(src.prompt_ids[i])
+        completions += src.completions[i * g:(i + 1) * g]
+        rewards.append(src.rewards[i * g:(i + 1) * g])
+    return replace(rounds[0], rows=rows, prompt_ids=prompt_ids, completions=completions,
+                   rewards=torch.cat(rewards))
+
+
+def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, cfg: RunConfig
+                    ) -> tuple[TrainBatch, dict[str, float]]:
+    """With `grpo.overlong: filter`, the batch with the truncated responses out of the loss (choice 5)
+    and `overlong/filtered_frac`; otherwise the batch as it is and no metric."""
+    if cfg.grpo.overlong != "filter":
+        return batch, {}
+    truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
+    batch = replace(batch, loss_mask=filter_truncated(batch.loss_mask, truncated))
+    return batch, {"overlong/filtered_frac": float(truncated.float().mean())}
