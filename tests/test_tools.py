@@ -50,13 +50,14 @@ def test_sandbox_cannot_read_an_environment_variable_of_the_run(monkeypatch):
 def test_sandbox_busy_loop_is_killed_near_its_limit():
     start = time.perf_counter()
     out = python("while True:\n    pass", timeout_s=1.0)
-    assert time.perf_counter() - start < 3.0 and "[killed" in out
+    # unlimited, it never returns: 20 s leaves room for a loaded machine's process start-up
+    assert time.perf_counter() - start < 20 and "[killed" in out
 
 
 def test_sandbox_sleeping_code_is_killed_at_the_wall_clock_limit():
     start = time.perf_counter()
     r = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.0, cpu_s=5))
-    assert r.timed_out and time.perf_counter() - start < 3.0
+    assert r.timed_out and time.perf_counter() - start < 20  # unlimited: 60 s
 
 
 def test_sandbox_output_is_truncated():
@@ -122,7 +123,7 @@ def test_toolbox_turns_every_bad_call_into_an_error_observation():
     assert "unknown tool 'search'" in results["unknown"].text and "boom 3" in results["raises"].text
     start = time.perf_counter()
     hung = box.run(ToolCall("hang", {}))
-    assert hung.status == "timeout" and time.perf_counter() - start < 2.5
+    assert hung.status == "timeout" and time.perf_counter() - start < 20  # unlimited: never
     long = box.run(ToolCall("calculator", {"expression": "2**200"}))
     assert long.text.startswith(str(2**200)[:20]) and "truncated" in long.text
 
@@ -131,7 +132,7 @@ def test_python_tool_gets_the_configured_time_limit():
     box = ToolBox({"python": python}, timeout_s=1.0)
     start = time.perf_counter()
     result = box.run(ToolCall("python", {"code": "import time\ntime.sleep(30)", "timeout_s": 1000}))
-    assert result.status == "timeout" and time.perf_counter() - start < 3.0
+    assert result.status == "timeout" and time.perf_counter() - start < 15  # the call's own 1000 s: 30 s
     assert box.run(ToolCall("python", {"code": "print(sum(range(10)))"})).text.strip() == "45"
 
 
