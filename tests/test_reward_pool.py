@@ -276,6 +276,11 @@ def test_no_leftover_processes_after_close():
     pool = RewardPool([fn("constant_one")], num_workers=3)
     assert pool._zygote.process.pid in _children()
     assert pool.score(["Q"] * 5, ["C"] * 5, [{}] * 5)[0] == [1.0] * 5
+    # Runners are forked as they are asked for: a fast step can finish before the third is up (a CI
+    # run saw two). Score until all three are, so close() meets the full pool.
+    deadline = time.monotonic() + 60
+    while len(pool._runners) < 3 and time.monotonic() < deadline:
+        pool.score(["Q"] * 5, ["C"] * 5, [{}] * 5)
     runners = {r.pid for r in pool._runners}
     assert len(runners) == 3 and all(_alive(pid) for pid in runners)
     pool.close()
