@@ -182,7 +182,14 @@ class LearnerRank:
         torch.manual_seed(seed)
         context = RankContext(rank, world_size, learner_cfg, model_cfg, self.device)
         self.sharding: Sharding = load_class(SHARDINGS[learner_cfg.backend])(context, model_path, with_reference)
-        self.model, self.reference = self.sharding.model, self.sharding.reference
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.sharding.model
+
+    @property
+    def reference(self) -> torch.nn.Module | None:
+        return self.sharding.reference
 
     # ---------------------------------------------------------------- forward passes
 

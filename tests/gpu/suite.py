@@ -45,6 +45,11 @@ class Run:
     def first_line(self, prefix: str) -> str | None:
         return next((ln for ln in self.stdout.splitlines() if ln.startswith(prefix)), None)
 
+    @property
+    def startup(self) -> str:
+        """The run's `start-up:` line without its prefix (where launch time went), "" if missing."""
+        return (self.first_line("start-up:") or "").removeprefix("start-up: ")
+
 
 def device_gib() -> float:
     return torch.cuda.get_device_properties(0).total_memory / 2**30

@@ -53,7 +53,7 @@ def test_planned_run_syncs_the_learners_weights_every_step(name, smollm2, tmp_pa
                    learner_peak_gib=round(measured, 2), predicted_peak_gib=round(predicted, 2),
                    peak_ratio=round(measured / predicted, 3), gpu_peak_gib=round(run.gpu_peak_gib, 1),
                    gpu_gib=round(device_gib(), 1), run_s=round(run.seconds, 1),
-                   startup=(run.first_line("start-up:") or "").removeprefix("start-up: "))
+                   startup=run.startup)
     assert run.first_line("memory plan for"), run.stdout[-2000:]
     if cfg.learner.lora_rank:
         assert mode and mode[1] == cfg.learner.lora_sync == ("merged" if "merged" in name else "adapter")

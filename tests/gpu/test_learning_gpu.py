@@ -27,7 +27,7 @@ def test_smollm2_learns_arithmetic_and_resumes_exactly(smollm2, tmp_path, figure
                    median_step_s=round(step_s[len(step_s) // 2], 2),
                    median_sync_s=round(sorted(run.series("timing/sync_s"))[len(step_s) // 2], 3),
                    mismatch_max=round(max(run.series("mismatch/logprob_abs_diff")), 4),
-                   startup=(run.first_line("start-up:") or "").removeprefix("start-up: "))
+                   startup=run.startup)
     assert len(reward) == STEPS
     assert late - early >= MARGIN, reward
     assert figures["mismatch_max"] <= MISMATCH_MAX
