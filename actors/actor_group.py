@@ -391,10 +391,14 @@ class ActorGroup:
         """Call `method` with the same arguments on every actor; wait for all results (fail fast)."""
         return gather([getattr(a, method).remote(*args, **kwargs) for a in self.actors], self.labels(), method)
 
+    def ready_refs(self) -> list[Any]:
+        """One object ref per actor, ready once its constructor has returned."""
+        return [a.__ray_ready__.remote() for a in self.actors]
+
     def ready(self) -> None:
         """Wait until every actor's constructor has returned; one that raised is reported as failing
         during start-up, with its exception."""
-        gather([a.__ray_ready__.remote() for a in self.actors], self.labels(), "start-up")
+        gather(self.ready_refs(), self.labels(), "start-up")
 
     def call_each(self, method: str, per_rank_args: Sequence[tuple], **kwargs: Any) -> list[Any]:
         """Call `method` on actor i with `*per_rank_args[i]`; wait for all results (fail fast)."""

@@ -104,7 +104,8 @@ def _share(share: dict[str, float]) -> dict[str, float]:
     return {"num_gpus": share.get("GPU", 0.0), "num_cpus": share.get("CPU", 0.0)}
 
 
-def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> RayLearnerGroup:
+def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, start_after: list | None = None
+                   ) -> RayLearnerGroup:
     group = ActorGroup(
         LearnerRank, name="learner rank", pg=pg, bundles=layout.learner_bundles,
         **_share(layout.learner_share),
@@ -112,7 +113,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout) -> 
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
             model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
             temperature=cfg.generation.temperature or 1.0, with_reference=holds_reference_model(cfg), seed=cfg.seed,
-            driver_store=True,
+            driver_store=True, start_after=start_after,
         ),
         env=_timeout_env(cfg), rendezvous_store=True,
     )
@@ -207,14 +208,16 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     start, ready = time.perf_counter(), {}
     generator = _engine_group(cfg, model_path, pg, layout, device.kind)
     engines_first = device.kind != "cpu" and cfg.cluster.placement == "colocated"
+    # vLLM sizes its KV cache from the GPU's free memory measured around its start-up profile,
+    # assuming no other process allocates meanwhile: a learner starting beside it was counted as
+    # vLLM's own use (ZeRO-3 under memory.plan=auto: "No available memory for the cache blocks").
+    # So colocated learners touch the GPU only once the engines are up; their processes start and
+    # import their backend meanwhile (`start_after`).
+    learners = _learner_group(cfg, model_path, pg, layout,
+                              start_after=generator.group.ready_refs() if engines_first else None)
     if engines_first:
-        # vLLM sizes its KV cache from the GPU's free memory measured around its start-up profile,
-        # assuming no other process allocates meanwhile: a learner starting beside it was counted
-        # as vLLM's own use (ZeRO-3 under memory.plan=auto: "No available memory for the cache
-        # blocks"). So colocated engines finish starting before the learners begin.
         generator.group.ready()
         ready["engines"] = time.perf_counter() - start
-    learners = _learner_group(cfg, model_path, pg, layout)
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
     addr, port = ray.get(node_address.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote())
@@ -227,6 +230,6 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
         generator.group.ready()
         ready["engines"] = time.perf_counter() - start
     print("start-up: " + ", ".join(f"{name} ready after {s:.1f} s" for name, s in ready.items())
-          + (" (colocated: the learners start once the engines are up)" if engines_first else ""))
+          + (" (colocated: the learners take the GPU once the engines are up)" if engines_first else ""))
     return RayCluster(generator=generator, learners=learners, weight_sync=WeightSyncer(learners, targets, transport),
                       rewards=rewards, pg=pg)

@@ -147,15 +147,23 @@ class Sharding(Protocol):
 class LearnerRank:
     """Rank bookkeeping, micro-batching, the train/log-prob loops and weight export, over the
     Sharding of `learner.backend`. `rank`/`world_size`/`master_*` come from the actor group's
-    rendezvous (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it)."""
+    rendezvous (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it).
+    `start_after`: Ray object refs (inside a list, so Ray passes them unresolved) to wait for before
+    touching the device; the process starts and imports its backend meanwhile (colocated GPU
+    engines start first: actors/cluster.py::build_cluster)."""
 
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  model_cfg: ModelConfig, learner_cfg: LearnerConfig, temperature: float, with_reference: bool,
-                 seed: int, driver_store: bool = False) -> None:
-        from transformers import AutoConfig
+                 seed: int, driver_store: bool = False, start_after: list | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401  (imported before the wait)
 
         from actors.actor_group import load_class
 
+        sharding_cls = load_class(SHARDINGS[learner_cfg.backend])  # imports torch.distributed, DeepSpeed
+        if start_after:
+            import ray
+
+            ray.get(start_after)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
         self.lora = learner_cfg.lora_rank > 0  # choice 9
@@ -181,7 +189,7 @@ class LearnerRank:
             dist.init_process_group(self.device.dist_backend, store=store, rank=rank, world_size=world_size)
         torch.manual_seed(seed)
         context = RankContext(rank, world_size, learner_cfg, model_cfg, self.device)
-        self.sharding: Sharding = load_class(SHARDINGS[learner_cfg.backend])(context, model_path, with_reference)
+        self.sharding: Sharding = sharding_cls(context, model_path, with_reference)
 
     @property
     def model(self) -> torch.nn.Module:

@@ -1,8 +1,9 @@
 """A real model still learns on one GPU, and a run resumed from its checkpoint repeats the next step:
 SmolLM2-135M-Instruct on the shipped GPU arithmetic recipe (configs/grpo_arithmetic_smollm2_1gpu.yaml:
-sums and differences up to 100, 128 prompts x 8 samples a step, FSDP2), shortened to fit the suite.
-The margin was measured on an H100 first (README, "Testing on a GPU"): the mean reward of the first
-five steps against the last five."""
+sums and differences up to 100, 128 prompts x 8 samples a step, FSDP2), shortened to 20 steps to fit
+the suite. The margin: the mean reward of the first five steps against the last five. The recipe's
+H100 run of 2026-11-24 (docs/grpo_arithmetic_smollm2_1gpu_metrics.jsonl) reads 0.105 over steps 0-4
+and 0.41 over steps 15-19, so 0.15 leaves room for another seed's or kernel's noise."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.gpu.suite import MISMATCH_MAX, resume_from, same_step, train
 
 pytestmark = pytest.mark.gpu
 RECIPE = "configs/grpo_arithmetic_smollm2_1gpu.yaml"
-STEPS, SAVED = 30, 15
+STEPS, SAVED = 20, 10
 ARGS = (f"grpo.steps={STEPS}", f"save_every={SAVED}", "eval_every=0", "data.num_train=4096",
         "generation.enforce_eager=true")
 MARGIN = 0.15
