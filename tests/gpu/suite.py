@@ -20,7 +20,6 @@ from tests.runs import run_training
 
 HERE = Path(__file__).resolve().parent
 GRPO_RECIPE = str(HERE / "grpo_suite.yaml")
-MISMATCH_MAX = 0.03  # train/inference log-prob gap after a sync (bf16) on text a model writes itself
 
 
 def synced(mismatch: list[float], floor_max: float = 0.06) -> bool:

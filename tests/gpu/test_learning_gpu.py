@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu.suite import MISMATCH_MAX, resume_from, same_step, train
+from tests.gpu.suite import resume_from, same_step, train
 
 pytestmark = pytest.mark.gpu
 RECIPE = "configs/grpo_arithmetic_smollm2_1gpu.yaml"
@@ -17,6 +17,7 @@ STEPS, SAVED = 20, 10
 ARGS = (f"grpo.steps={STEPS}", f"save_every={SAVED}", "eval_every=0", "data.num_train=4096",
         "generation.enforce_eager=true")
 MARGIN = 0.15
+MISMATCH_FLOOR_MAX = 0.06  # sampled text at temperature 1 from a model still unsure of its answers
 
 
 def test_smollm2_learns_arithmetic_and_resumes_exactly(smollm2, tmp_path, figures):
@@ -31,7 +32,12 @@ def test_smollm2_learns_arithmetic_and_resumes_exactly(smollm2, tmp_path, figure
                    startup=run.startup)
     assert len(reward) == STEPS
     assert late - early >= MARGIN, reward
-    assert figures["mismatch_max"] <= MISMATCH_MAX
+    # Every sync serves the learner's weights: no step's train/inference gap rises above the bf16
+    # floor step 0 shows (the loaded weights, pushed once), which then falls as the policy sharpens
+    # (the recipe's H100 run: 0.0426 at step 0, 0.0431 at most, 0.014 by step 24).
+    mismatch = run.series("mismatch/logprob_abs_diff")
+    figures.update(mismatch_step0=round(mismatch[0], 4))
+    assert mismatch[0] <= MISMATCH_FLOOR_MAX and max(mismatch) <= 1.15 * mismatch[0] + 0.005, mismatch
 
     # the resumed run trains step SAVED once more (grpo.steps=SAVED+1) and must repeat it exactly
     resumed = resume_from(run, SAVED, tmp_path / "resumed", "scripts/train_grpo.py", RECIPE, *ARGS,
