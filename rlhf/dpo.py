@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from rlhf.algo.objectives import DPOObjective, reduce_metrics
-from rlhf.config import RunConfig
+from rlhf.config import ConfigError, RunConfig
 from rlhf.data.batching import pairs_to_batch
 from rlhf.data.preferences import PreferenceData
 from rlhf.data.prompts import PromptStream
@@ -118,6 +119,27 @@ def _fingerprint(data: PreferenceData) -> str:
     return hashlib.sha256(repr((data.train, data.eval)).encode()).hexdigest()[:16]
 
 
+def _load_cache(path: Path) -> dict | None:
+    """`reference_logps.pt` read weights-only (no pickle from disk runs), None where there is none.
+    A file that holds anything else (planted, or not written by this program) is refused in one
+    line rather than skipped: something wrote into the run's folder."""
+    if not path.is_file():
+        return None
+    try:
+        cached = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((ln.split("WeightsUnpickler error:")[1].split(". ")[0].strip()
+                    for ln in str(e).splitlines() if "WeightsUnpickler error:" in ln), type(e).__name__)
+        raise ConfigError(f"{path} is not a reference log-prob cache this program wrote: it holds objects "
+                          f"a weights-only load refuses ({why[:160]}), and unpickling them could run code; "
+                          f"delete it to score the reference again") from None
+    if not isinstance(cached, dict) or not {"fingerprint", "eval"} <= cached.keys():
+        raise ConfigError(f"{path} is not a reference log-prob cache this program wrote (keys "
+                          f"{sorted(cached) if isinstance(cached, dict) else type(cached).__name__}); "
+                          f"delete it to score the reference again")
+    return cached
+
+
 @dataclass
 class ReferenceLogps:
     """Summed reference log-probs (chosen, rejected) per pair, from a cache or the reference model.
@@ -144,7 +166,7 @@ class ReferenceLogps:
             return cls(learners, needed=False, train=None, eval=None)
         path = Path(cfg.output_dir) / "reference_logps.pt"
         fingerprint = _fingerprint(data)
-        cached = torch.load(path, weights_only=True) if path.is_file() else None
+        cached = _load_cache(path)
         if cached is not None and cached["fingerprint"] == fingerprint:
             return cls(learners, needed=True, train=cached.get("train"), eval=cached["eval"])
         use_model = scores_reference(cfg)
