@@ -33,7 +33,7 @@ from actors.learner_base import LearnerRank
 from actors.learner_group import RayLearnerGroup
 from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
-from rlhf.config import ConfigError, RunConfig
+from rlhf.config import ClusterConfig, ConfigError, RunConfig
 from rlhf.lora import serves_adapters
 from rlhf.rules import engine_count, holds_reference_model
 
@@ -115,7 +115,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, sta
             temperature=cfg.generation.temperature or 1.0, with_reference=holds_reference_model(cfg), seed=cfg.seed,
             driver_store=True, start_after=start_after,
         ),
-        env=_timeout_env(cfg), rendezvous_store=True,
+        env=_timeout_env(cfg.cluster), rendezvous_store=True,
     )
     return RayLearnerGroup(group, model_path=model_path, export_dtype=cfg.model.dtype)
 
@@ -131,29 +131,29 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
             **({"lora": cfg.learner} if serves_adapters(cfg) else {}),
         ),
-        env=_timeout_env(cfg),
+        env=_timeout_env(cfg.cluster),
     )
     return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0)
 
 
-def _timeout_env(cfg: RunConfig) -> dict[str, str]:
+def _timeout_env(cluster: ClusterConfig) -> dict[str, str]:
     """`cluster.timeout_s` for the fan-outs the actors themselves wait on (weight sync), and for the
     driver's (actors.actor_group: time limit)."""
-    set_timeout(cfg.cluster.timeout_s)
-    return {TIMEOUT_ENV: str(cfg.cluster.timeout_s)}
+    set_timeout(cluster.timeout_s)
+    return {TIMEOUT_ENV: str(cluster.timeout_s)}
 
 
-def _placement_group(cfg: RunConfig, layout: Layout) -> Any:
+def _placement_group(cluster: ClusterConfig, layout: Layout) -> Any:
     """The run's placement group, ready; a clear error instead of waiting forever when the Ray
     cluster cannot hold it (too few devices, or none of its nodes has a bundle's devices)."""
-    pg = placement_group(layout.bundles, strategy=cfg.cluster.placement_strategy)
+    pg = placement_group(layout.bundles, strategy=cluster.placement_strategy)
     try:
         ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise ConfigError(
             f"Ray could not place the run's {len(layout.bundles)} bundles {layout.bundles} with strategy "
-            f"{cfg.cluster.placement_strategy} within {PLACEMENT_TIMEOUT_S:g} s; the cluster has "
+            f"{cluster.placement_strategy} within {PLACEMENT_TIMEOUT_S:g} s; the cluster has "
             f"{_resources()}") from None
     return pg
 
@@ -190,7 +190,7 @@ class LearnerCluster:
 def build_learner_cluster(cfg: RunConfig, model_path: str) -> LearnerCluster:
     """The learner group alone, one device per rank; Ray must be initialised already."""
     layout = plan_layout(cfg, detect().kind)
-    pg = _placement_group(cfg, layout)
+    pg = _placement_group(cfg.cluster, layout)
     return LearnerCluster(learners=_learner_group(cfg, model_path, pg, layout), pg=pg)
 
 
@@ -201,7 +201,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     device = detect()
     engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
     layout = plan_layout(cfg, device.kind, engines)
-    pg = _placement_group(cfg, layout)
+    pg = _placement_group(cfg.cluster, layout)
     print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "
           f"{cfg.learner.num_ranks} {cfg.learner.backend} learner rank(s) on {_resources()}")
     print(describe_placement(pg, layout))

@@ -55,7 +55,7 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
     if len(rows) != len(data.train):
         raise RuntimeError(f"matched {len(rows)} of our {len(data.train)} training pairs to their text rows")
     stream = PromptStream(list(range(len(rows))), seed=cfg.seed)
-    order = [i for _ in range(dpo_steps(cfg, len(rows))) for i in stream.take(cfg.dpo.pairs_per_step)]
+    order = [i for _ in range(dpo_steps(cfg.dpo, len(rows))) for i in stream.take(cfg.dpo.pairs_per_step)]
     return [rows[i] for i in order], [data.train[i] for i in order]
 
 

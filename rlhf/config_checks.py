@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlhf.config import RunConfig
+    from rlhf.config import (DataConfig, DPOConfig, EnvConfig, EvalConfig, GenerationConfig, LearnerConfig,
+                             RewardConfig, RunConfig)
 
 
 class ConfigError(ValueError):
@@ -38,9 +39,18 @@ def check(ok: bool, key: str, allowed: str, value: Any) -> None:
 
 
 def validate(c: RunConfig) -> None:
-    """Every check below, section by section."""
-    for section in (_run, _grpo, _dpo, _eval, _learner, _generation, _reward, _env, _data, _cluster):
-        section(c)
+    """Every check below, section by section: a section's own ranges take that section only; the
+    checks that relate sections take the whole config."""
+    _run(c)
+    _grpo(c)
+    _dpo(c.dpo)
+    _eval(c.eval)
+    _learner(c.learner)
+    _generation(c.generation)
+    _reward(c.reward)
+    _env(c.env)
+    _data(c.data)
+    _cluster(c)
     if c.algorithm == "grpo":
         _grpo_can_learn(c)
 
@@ -82,8 +92,7 @@ def _grpo(c: RunConfig) -> None:
           g.dynamic_sampling)
 
 
-def _dpo(c: RunConfig) -> None:
-    d = c.dpo
+def _dpo(d: DPOConfig) -> None:
     check(d.beta > 0, "dpo.beta", "a number > 0", d.beta)
     check(0 <= d.label_smoothing < 0.5, "dpo.label_smoothing", "a number in [0, 0.5)", d.label_smoothing)
     check(d.epochs >= 1, "dpo.epochs", "an integer >= 1", d.epochs)
@@ -96,8 +105,7 @@ def _dpo(c: RunConfig) -> None:
           d.max_length)
 
 
-def _eval(c: RunConfig) -> None:
-    ev = c.eval
+def _eval(ev: EvalConfig) -> None:
     check(ev.n >= 1, "eval.n", "an integer >= 1", ev.n)
     check(len(ev.k) >= 1 and all(1 <= k <= ev.n for k in ev.k), "eval.k", f"integers in [1, eval.n={ev.n}]",
           list(ev.k))
@@ -110,8 +118,7 @@ def _eval(c: RunConfig) -> None:
           ev.num_prompts)
 
 
-def _learner(c: RunConfig) -> None:
-    l = c.learner
+def _learner(l: LearnerConfig) -> None:
     check(l.lr > 0 and math.isfinite(l.lr), "learner.lr", "a finite number > 0", l.lr)
     check(l.weight_decay >= 0, "learner.weight_decay", "a number >= 0", l.weight_decay)
     check(all(0 <= b < 1 for b in l.betas), "learner.betas", "two numbers in [0, 1)", l.betas)
@@ -131,8 +138,7 @@ def _learner(c: RunConfig) -> None:
           "false while learner.pack_sequences=true (two ways of laying out a micro-batch)", l.share_prompts)
 
 
-def _generation(c: RunConfig) -> None:
-    gen = c.generation
+def _generation(gen: GenerationConfig) -> None:
     check(gen.max_num_seqs >= 0, "generation.max_num_seqs", "an integer >= 0 (0 = vLLM's default)",
           gen.max_num_seqs)
     check(gen.max_num_batched_tokens >= 0, "generation.max_num_batched_tokens",
@@ -147,8 +153,7 @@ def _generation(c: RunConfig) -> None:
     check(gen.cpu_kvcache_gib >= 1, "generation.cpu_kvcache_gib", "an integer >= 1", gen.cpu_kvcache_gib)
 
 
-def _reward(c: RunConfig) -> None:
-    r = c.reward
+def _reward(r: RewardConfig) -> None:
     check(len(r.functions) >= 1, "reward.functions", "at least one reward function", [])
     check(r.timeout_s > 0, "reward.timeout_s", "a number > 0", r.timeout_s)
     check(r.max_failed_steps >= 1, "reward.max_failed_steps", "an integer >= 1", r.max_failed_steps)
@@ -166,8 +171,7 @@ def _reward(c: RunConfig) -> None:
         check(math.isfinite(fn.weight), f"reward.functions[{i}].weight", "a finite number", fn.weight)
 
 
-def _env(c: RunConfig) -> None:
-    e = c.env
+def _env(e: EnvConfig) -> None:
     check(e.max_turns >= 1, "env.max_turns", "an integer >= 1", e.max_turns)
     check(e.tool_timeout_s > 0, "env.tool_timeout_s", "a number > 0 (seconds)", e.tool_timeout_s)
     check(e.max_tool_output_chars >= 1, "env.max_tool_output_chars", "an integer >= 1",
@@ -177,11 +181,10 @@ def _env(c: RunConfig) -> None:
               "'package.module:function' or 'path/to/file.py:function'", spec)
 
 
-def _data(c: RunConfig) -> None:
-    check(c.data.num_train >= 1, "data.num_train", "an integer >= 1", c.data.num_train)
-    check(c.data.num_eval >= 0, "data.num_eval", "an integer >= 0", c.data.num_eval)
-    check(c.data.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1",
-          c.data.max_prompt_tokens)
+def _data(d: DataConfig) -> None:
+    check(d.num_train >= 1, "data.num_train", "an integer >= 1", d.num_train)
+    check(d.num_eval >= 0, "data.num_eval", "an integer >= 0", d.num_eval)
+    check(d.max_prompt_tokens >= 1, "data.max_prompt_tokens", "an integer >= 1", d.max_prompt_tokens)
 
 
 def _cluster(c: RunConfig) -> None:

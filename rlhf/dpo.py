@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from rlhf.algo.objectives import DPOObjective, reduce_metrics
-from rlhf.config import ConfigError, RunConfig
+from rlhf.config import ConfigError, DPOConfig, RunConfig
 from rlhf.data.batching import pairs_to_batch
 from rlhf.data.preferences import PreferenceData
 from rlhf.data.prompts import PromptStream
@@ -48,9 +48,9 @@ SCORING_CHUNK_PAIRS = 64
 
 
 def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id: int) -> None:
-    """Train for `dpo_steps(cfg, ...)` steps (continuing from the latest checkpoint if `cfg.resume`)."""
+    """Train for `dpo_steps(cfg.dpo, ...)` steps (continuing from the latest checkpoint if `cfg.resume`)."""
     stream = PromptStream(list(enumerate(data.train)), seed=cfg.seed)
-    total = dpo_steps(cfg, len(data.train))
+    total = dpo_steps(cfg.dpo, len(data.train))
     start = resume(cfg.output_dir, cfg.resume, learners, stream)
     objective = DPOObjective.from_config(cfg.dpo)
     reference = ReferenceLogps.prepare(cfg, learners, data, pad_id, start_step=start)
@@ -78,9 +78,9 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
     log.close()
 
 
-def dpo_steps(cfg: RunConfig, num_pairs: int) -> int:
+def dpo_steps(dpo: DPOConfig, num_pairs: int) -> int:
     """Optimizer steps of the run: dpo.max_steps, else enough for dpo.epochs passes."""
-    return cfg.dpo.max_steps or math.ceil(cfg.dpo.epochs * num_pairs / cfg.dpo.pairs_per_step)
+    return dpo.max_steps or math.ceil(dpo.epochs * num_pairs / dpo.pairs_per_step)
 
 
 def step_metrics(train: StepMetrics, batch: PreferenceBatch, seconds: dict[str, float], *, epoch: int

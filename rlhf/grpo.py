@@ -64,7 +64,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
     supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
     """
-    episodes = EpisodeSampler.from_config(cfg, cluster.generator, tokenizer)  # multi-turn with env.tools
+    episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
     rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # choice 8
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
@@ -83,7 +83,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         reward_health.check(rollouts.reward_metrics)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch, overlong_metrics = filter_overlong(
-            rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg)  # choice 9
+            rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg.grpo)  # choice 9
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
         train_health.check(step, train_metrics)  # before the weights go anywhere

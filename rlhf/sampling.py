@@ -38,7 +38,7 @@ import torch
 
 from rlhf.algo.advantages import informative_groups
 from rlhf.algo.overlong import filter_truncated, overlong_penalty
-from rlhf.config import RunConfig
+from rlhf.config import GRPOConfig, RunConfig
 from rlhf.env.episodes import with_env_rewards
 from rlhf.protocols import RewardScorer
 from rlhf.rollouts import RolloutQueue
@@ -116,11 +116,11 @@ def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> Ro
                    rewards=torch.cat(rewards))
 
 
-def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, cfg: RunConfig
+def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, grpo: GRPOConfig
                     ) -> tuple[TrainBatch, dict[str, float]]:
     """With `grpo.overlong: filter`, the batch with the truncated responses out of the loss (choice 5)
     and `overlong/filtered_frac`; otherwise the batch as it is and no metric."""
-    if cfg.grpo.overlong != "filter":
+    if grpo.overlong != "filter":
         return batch, {}
     truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
     batch = replace(batch, loss_mask=filter_truncated(batch.loss_mask, truncated))

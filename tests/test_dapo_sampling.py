@@ -176,7 +176,7 @@ def test_shaping_and_filtering_in_the_step():
     mask = torch.ones(8, 3, dtype=torch.bool)
     batch = TrainBatch(input_ids=torch.zeros(8, 3, dtype=torch.long), attention_mask=mask, loss_mask=mask,
                        advantages=torch.zeros(8))
-    filtered, metrics = filter_overlong(batch, rollouts, cfg)
+    filtered, metrics = filter_overlong(batch, rollouts, cfg.grpo)
     assert filtered.loss_mask.any(-1).tolist() == [True, False] * 4
     assert metrics == {"overlong/filtered_frac": 0.5}
 

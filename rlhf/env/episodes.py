@@ -48,7 +48,7 @@ from rlhf.env.tools import ToolBox, parse_tool_calls
 from rlhf.types import Completion, PromptRow, SamplingSpec
 
 if TYPE_CHECKING:
-    from rlhf.config import RunConfig
+    from rlhf.config import EnvConfig
 
 ENDS = ("answer", "max_turns", "token_budget")
 """Why an episode ended: the model answered (or the environment said done), it used `max_turns`
@@ -252,14 +252,12 @@ class EpisodeSampler:
     max_turns: int
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
+    def from_config(cls, env: EnvConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
         """The tool environment of `env`, or None when `env.tools` is empty (single-turn GRPO)."""
-        if not cfg.env.tools:
+        if not env.tools:
             return None
-        box = ToolBox.from_specs(cfg.env.tools, timeout_s=cfg.env.tool_timeout_s,
-                                 max_output_chars=cfg.env.max_tool_output_chars)
-        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode,
-                   cfg.env.max_turns)
+        box = ToolBox.from_specs(env.tools, timeout_s=env.tool_timeout_s, max_output_chars=env.max_tool_output_chars)
+        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode, env.max_turns)
 
     def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
                  ) -> tuple[list[Completion], dict[str, float]]:
