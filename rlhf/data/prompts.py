@@ -409,30 +409,38 @@ def load_prompts(cfg: DataConfig, split: Split) -> list[PromptRow]:
 # Tokenization
 
 
-def render_prompt(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """Token ids of the prompt: chat template with the generation prompt, or raw text."""
+def prompt_text(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> tuple[str, bool]:
+    """The prompt as text, and whether the tokenizer adds its special tokens to it: the chat
+    template with the generation prompt (which writes BOS/role tokens as text itself), or raw text."""
     messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
     if cfg.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     if cfg.use_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set data.use_chat_template=false")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        # The template already wrote BOS/role tokens as text: do not let the tokenizer add more.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    text = "\n\n".join(m["content"] for m in messages)
-    return list(tokenizer(text)["input_ids"])
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
+    return "\n\n".join(m["content"] for m in messages), True
+
+
+def render_prompt(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> list[int]:
+    """Token ids of the prompt (`prompt_text`, tokenized)."""
+    text, special = prompt_text(row, tokenizer, cfg)
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 def tokenize_prompts(rows: Sequence[PromptRow], tokenizer: Any, cfg: DataConfig
                      ) -> tuple[list[PromptRow], list[list[int]], int]:
-    """(rows kept, their token ids, how many were dropped for exceeding data.max_prompt_tokens)."""
+    """(rows kept, their token ids, how many were dropped for exceeding data.max_prompt_tokens). The
+    texts are tokenized in one batched call (one by one, 20k prompts took ~5 s of a launch)."""
+    if not rows:
+        return [], [], 0
+    texts, special = zip(*(prompt_text(row, tokenizer, cfg) for row in rows))
+    all_ids = tokenizer(list(texts), add_special_tokens=special[0])["input_ids"]
     kept, ids = [], []
-    for row in rows:
-        tokens = render_prompt(row, tokenizer, cfg)
+    for row, tokens in zip(rows, all_ids):
         if len(tokens) <= cfg.max_prompt_tokens:
             kept.append(row)
-            ids.append(tokens)
+            ids.append(list(tokens))
     return kept, ids, len(rows) - len(kept)
 
 
