@@ -5,11 +5,15 @@ all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports)
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
 - `scores_reference`: whether the loop asks for reference log-probs every step.
 - `holds_reference_model`: whether the learners keep a frozen reference copy of the model for that.
+- `learner_state`: what a learner backend keeps of the model between steps, and where; the memory
+  planner sizes a GPU from it and the checkpoint estimate sizes the disk from it.
 """
 
 from __future__ import annotations
 
-from rlhf.config import ConfigError, RunConfig
+from dataclasses import dataclass
+
+from rlhf.config import ConfigError, LearnerConfig, RunConfig
 
 
 def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
@@ -72,3 +76,47 @@ def holds_reference_model(cfg: RunConfig) -> bool:
     loop asks for reference log-probs, except with LoRA, where the reference is the policy with its
     adapters off (actors.learner_base choice 9)."""
     return scores_reference(cfg) and cfg.learner.lora_rank == 0
+
+
+@dataclass(frozen=True)
+class LearnerState:
+    """What the learners keep of the model between steps, in bytes over all ranks (`learner_state`)."""
+
+    module: float
+    """The weights in the compute dtype: DeepSpeed's module. FSDP2 computes from its masters: 0."""
+    masters: float
+    """fp32 weights the optimizer updates, where they are a copy of their own: FSDP2 every parameter
+    (LoRA's frozen base too); DeepSpeed the trained ones (ZeRO-2 copies whatever the compute dtype;
+    ZeRO-3 updates an fp32 module in place, with no copy)."""
+    gradients: float
+    """fp32 gradients of the trained weights."""
+    optimizer: float
+    """AdamW's two fp32 moments of the trained weights."""
+    module_shards: int
+    """Ranks the module is split over: ZeRO-3 all of them; ZeRO-2 keeps it whole on every rank."""
+    module_on_host: bool
+    """ZeRO-3 `offload_params`: the module lives in host memory."""
+    optimizer_on_host: bool
+    """DeepSpeed `offload_optimizer`: masters, gradients and moments live in host memory."""
+    saved: float
+    """A checkpoint's train state (the HF export aside): the fp32 weights and the moments, plus
+    DeepSpeed's module under ZeRO-2, and with LoRA the frozen base (either stage)."""
+
+
+def learner_state(learner: LearnerConfig, dtype_bytes: int, params: int, lora_params: int = 0) -> LearnerState:
+    """What `learner.backend` keeps for a model of `params` parameters in a `dtype_bytes` compute
+    dtype (`lora_params`: the adapters' parameters with `learner.lora_rank`, else 0)."""
+    trained = lora_params or params
+    moments = 8.0 * trained
+    if learner.backend == "fsdp2":
+        masters = 4.0 * (params + lora_params)
+        return LearnerState(module=0.0, masters=masters, gradients=4.0 * trained, optimizer=moments,
+                            module_shards=learner.num_ranks, module_on_host=False, optimizer_on_host=False,
+                            saved=masters + moments)
+    stage3 = learner.zero_stage == 3
+    in_place = stage3 and dtype_bytes == 4 and not learner.offload_optimizer  # deepspeed/runtime/zero/stage3.py
+    module = float(dtype_bytes * params)
+    return LearnerState(module=module, masters=0.0 if in_place else 4.0 * trained, gradients=4.0 * trained,
+                        optimizer=moments, module_shards=learner.num_ranks if stage3 else 1,
+                        module_on_host=stage3 and learner.offload_params, optimizer_on_host=learner.offload_optimizer,
+                        saved=4.0 * trained + moments + (module if not stage3 or lora_params else 0.0))

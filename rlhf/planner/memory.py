@@ -93,7 +93,7 @@ from typing import Any
 from rlhf.config import RunConfig, config_to_dict
 from rlhf.planner.flops import train_flops_per_token
 from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
-from rlhf.rules import engine_count, holds_reference_model, run_gpus
+from rlhf.rules import engine_count, holds_reference_model, learner_state, run_gpus
 
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 13, 4, 2  # activation elements per token per layer: 13h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
@@ -206,15 +206,11 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     root = p - shape.num_hidden_layers * layer  # embeddings, head, final norm
     fsdp, stage3 = l.backend == "fsdp2", l.zero_stage == 3
     gathered = b * (p if fsdp and not l.reshard_after_forward else root + 2 * layer) if fsdp or stage3 else 0
-    if fsdp:
-        module, masters = 0.0, 4 * p / n
-    else:
-        module = 0 if (stage3 and l.offload_params) else b * p / (n if stage3 else 1)
-        masters = 0 if (b == 4 or l.offload_optimizer) else 4 * t / n
+    kept = learner_state(l, b, p, t if l.lora_rank else 0)  # what the backend keeps, on this GPU:
+    module = 0 if kept.module_on_host else kept.module / kept.module_shards
+    host = kept.optimizer_on_host
+    masters, grads, optimizer = (0.0, 0.0, 0.0) if host else (kept.masters / n, kept.gradients / n, kept.optimizer / n)
     weights = module + gathered
-    host_opt = not fsdp and l.offload_optimizer
-    grads = 0 if host_opt else 4 * t / n
-    optimizer = 0 if host_opt else 8 * t / n
     reference = (4 if fsdp else 2) * p / n if holds_reference_model(cfg) else 0
     tokens = micro_batch_tokens(cfg)
     h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads

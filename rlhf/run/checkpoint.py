@@ -382,24 +382,20 @@ def resume(output_dir: str | Path, mode: bool | Literal["previous"], learners: L
 
 
 def checkpoint_bytes(cfg: RunConfig, shape: ModelShape, model_path: str | Path) -> int:
-    """Estimated size of one checkpoint, whatever the number of ranks. P parameters, L LoRA
-    parameters, b bytes of `model.dtype`:
-    - HF export b*P plus the source folder's other files (tokenizer, config); LoRA: adapter 4L.
-    - FSDP2: fp32 weights 4P and Adam's two fp32 moments 8P; with LoRA the frozen base 4P and
-      about 16L for the adapters, their moments and step counters.
-    - DeepSpeed: fp32 masters and moments 12P, plus the module (b*P) under ZeRO-2; with LoRA the
-      module b*P (base weights included, either stage) and 12L."""
+    """Estimated size of one checkpoint, whatever the number of ranks: the HF export (b*P for P
+    parameters in `model.dtype`'s b bytes, plus the source folder's other files: tokenizer,
+    config; LoRA: the adapter, 4L) and the train state the backend keeps
+    (`rlhf.rules.learner_state(...).saved`: FSDP2 12P, or 4P + 12L with LoRA; DeepSpeed 12P, plus
+    the module b*P under ZeRO-2; with LoRA b*P + 12L)."""
+    from rlhf.rules import learner_state
+
     p, b = shape.params(), 4 if cfg.model.dtype == "float32" else 2
     lora = shape.lora_params(cfg.learner.lora_rank) if cfg.learner.lora_rank else 0
     folder = Path(model_path)
     other = sum(f.stat().st_size for f in folder.iterdir()
                 if f.is_file() and not f.name.endswith((".safetensors", ".bin"))) if folder.is_dir() else 0
     export = b * p + other + 4 * lora
-    if cfg.learner.backend == "fsdp2":
-        train = 4 * p + 16 * lora if lora else 12 * p
-    else:
-        train = b * p + 12 * lora if lora else 12 * p + (b * p if cfg.learner.zero_stage == 2 else 0)
-    return export + train
+    return int(export + learner_state(cfg.learner, b, p, lora).saved)
 
 
 def _coexisting(cfg: RunConfig, start: int) -> tuple[int, bool]:
