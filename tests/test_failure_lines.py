@@ -17,12 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -315,55 +310,20 @@ def test_a_failing_log_copy_never_replaces_the_error_the_run_ends_with(tmp_path,
 # A real Ctrl-C
 
 
-def _session_processes(sid: int) -> list:
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if os.getsid(p.pid) == sid:
-                found.append(p)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return found
-
-
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_ctrl_c_ends_a_real_run_in_one_line_and_shuts_ray_down(tmp_path):
+def test_ctrl_c_ends_a_real_run_in_one_line_and_shuts_ray_down(interrupted_run):
     """SIGINT to the run's process group (what a terminal's Ctrl-C does) once its first checkpoint is
     complete: exit 130, one error line naming the latest complete checkpoint, no traceback on the
-    terminal (it is in driver.log), and no process of the run left behind (Ray shut down)."""
-    from tests.runs import private_ray_env
-
-    out = tmp_path / "run"
-    cmd = [sys.executable, "scripts/train_grpo.py", *TINY_GRPO, f"output_dir={out}", "grpo.steps=500",
-           "save_every=1", "data.num_train=16", "data.num_eval=0"]
-    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:  # no pipe to fill
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=stdout, stderr=stderr,
-                                start_new_session=True)
-    try:
-        first = checkpoint_root(out) / "step_000001" / MANIFEST
-        deadline = time.time() + 600
-        while not first.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        assert first.exists(), "the run never wrote its first checkpoint"
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    stderr = (tmp_path / "stderr").read_text()
+    terminal (it is in driver.log), and no process of the run left behind (Ray shut down). The run
+    (conftest.py's `interrupted_run`) also serves test_listening.py."""
+    out, stderr = interrupted_run.out, interrupted_run.stderr
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 130, stderr[-3000:]
+    assert interrupted_run.returncode == 130, stderr[-3000:]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert _error_lines(stderr)[-1] == errors[0], stderr[-3000:]  # the last line, not one the bar redraws over
     latest = sorted(p.parent for p in checkpoint_root(out).glob(f"step_*/{MANIFEST}"))[-1]
     assert errors[0].startswith("error: interrupted (Ctrl-C) after ")
     assert errors[0].endswith(f". Resume from {latest} with resume=true"), errors[0]
     assert "KeyboardInterrupt" in (out / "logs" / "driver.log").read_text()
-    deadline = time.time() + 30
-    while _session_processes(proc.pid) and time.time() < deadline:
-        time.sleep(0.5)
-    assert not _session_processes(proc.pid), [p.cmdline() for p in _session_processes(proc.pid)]
+    assert not interrupted_run.left, interrupted_run.left  # within 30 s of the driver's exit

@@ -251,6 +251,14 @@ def test_reward_faults_are_counted_exactly_and_the_run_finishes(reference):
     assert sum(r["reward/timeouts"] for r in records) == injected["timeout"]
     assert sum(injected.values()) > 0
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+    # The reward worker returns each step's warning line and the driver prints it on the terminal:
+    # one line per step where the function failed or timed out on over reward.warn_failed_frac (0.1).
+    warned = [line for line in (reference / "stdout.txt").read_text().splitlines()
+              if line.startswith(f"reward {FAULTY}:faulty: ")]
+    over = [r for r in records if r["reward/faulty/failed_frac"] > 0.1]
+    assert over and len(warned) == len(over), warned
+    assert all(re.search(r": \d+/16 samples (failed|timed out|failed or timed out) \(.*\); scored 0$", w)
+               for w in warned), warned
 
 
 @pytest.mark.e2e

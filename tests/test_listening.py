@@ -15,16 +15,12 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from tests.runs import private_ray_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION_DIR = re.compile(r"/session_\d{4}-\d\d-\d\d_[\w.-]+?_\d+(?=/|\s|$)")
@@ -80,55 +76,20 @@ def listeners(pids: set[int]) -> list[tuple[int, str, int, str]]:
     return found
 
 
-def _kill(proc: subprocess.Popen, pids: set[int]) -> None:
-    """SIGKILL the run's process group and every other process found to be the run's."""
-    for pid, kill in [(proc.pid, os.killpg), *[(p, os.kill) for p in pids]]:
-        try:
-            kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
-def _start_run(out: Path) -> tuple[subprocess.Popen, Path]:
-    """The tiny GRPO recipe on a private local Ray, in its own session, for many steps; its output
-    goes to `<out>.log`."""
-    log = out.with_suffix(".log")
-    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-           f"output_dir={out}", "grpo.steps=50", "save_every=0"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return proc, log
-
-
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_a_local_run_listens_on_loopback_only(tmp_path):
-    proc, log = _start_run(tmp_path / "run")
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    pids: set[int] = set()
-    try:
-        deadline = time.time() + 600
-        def stepped() -> bool:
-            return metrics.exists() and bool(metrics.read_text())
-
-        while proc.poll() is None and time.time() < deadline and not stepped():
-            time.sleep(0.5)
-        assert proc.poll() is None and stepped(), (
-            f"the run never finished its first step:\n{log.read_text()[-3000:]}")
-        processes = run_processes(proc.pid)  # in its steps: every actor is up, the store is served
-        pids = set(processes)
-        found = listeners(pids)
-    finally:
-        _kill(proc, pids)
+def test_a_local_run_listens_on_loopback_only(interrupted_run):
+    """The run of conftest.py's `interrupted_run` (the tiny recipe on a private local Ray), its
+    processes and sockets read in its steps, after its first checkpoint; it also serves the Ctrl-C
+    test of test_failure_lines.py."""
+    processes, found = interrupted_run.processes, interrupted_run.listening
     table = "\n".join(f"  {ip}:{port}/{kind}  pid {pid}  {processes.get(pid, '?')[:100]}"
                       for pid, ip, port, kind in sorted(found, key=lambda f: f[0]))
     print(f"\nlisteners of the run:\n{table}")
     # Not vacuous: the driver (its store, its Ray core worker), Ray's GCS and raylet, and the learner
     # and engine actors were found and listen.
     owners = {pid for pid, *_ in found}
-    assert proc.pid in owners, table
+    assert interrupted_run.pid in owners, table
     for title in ("gcs_server", "raylet", "ray::LearnerRank", "ray::VLLMGenerator"):
         assert any(title in processes[pid] for pid in owners), f"no listener of {title} found:\n{table}"
     exposed = [f for f in found if not is_loopback(f[1])]

@@ -4,7 +4,7 @@
   (FSDP2): after every weight push, BOTH engines' parameter checksums equal the learner weights
   that the checkpoint of that step holds; per-engine metrics are logged; completions stay matched
   to their prompts (the sampler's log-probs equal the learner's on prompt + completion).
-- The same run killed after its first checkpoint and resumed reproduces it.
+- The same run resumed from its first checkpoint reproduces it.
 - DeepSpeed ZeRO-3 with two engines (every rank gathers, rank 0 feeds both engines).
 """
 
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 from rlhf.run.metrics import read_metrics
-from tests.runs import kill_after_first_checkpoint, run_training
+from tests.runs import run_training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -117,10 +118,18 @@ def test_metrics_per_engine_and_rollouts_matched_to_their_prompts(two_engine_run
         assert r["grad_norm"] > 0.1
 
 
-def test_killed_two_engine_run_resumes_exactly(two_engine_run, tmp_path):
+def test_resumed_two_engine_run_continues_exactly(two_engine_run, tmp_path):
+    """The uninterrupted run's folder as a run killed after its first checkpoint leaves it (later
+    checkpoints gone; its metrics.jsonl still holds the later steps, which the resume must drop),
+    resumed: both engines get the checkpoint's weights and the same prompts and seeds, so steps 1
+    and 2 repeat. Killing a run mid-way is tests/test_grpo_e2e.py's and tests/test_faults.py's: the
+    checkpoint is the same folder whether the run then dies or not (as in tests/test_lora.py)."""
     want_dir, _, _ = two_engine_run
-    out = tmp_path / "killed"
-    kill_after_first_checkpoint(_train(out, wait=False), out)
+    out = tmp_path / "resumed"
+    shutil.copytree(want_dir, out)
+    for later in (out / "checkpoints").glob("step_*"):
+        if later.name > "step_000001":
+            shutil.rmtree(later)
 
     resumed = _train(out, "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]

