@@ -48,7 +48,7 @@ from rlhf.data.batching import rollouts_to_batch
 from rlhf.data.prompts import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.errors import RunError
-from rlhf.evaluate import Evaluator
+from rlhf.evaluate import EvalSet, Evaluator
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
 from rlhf.rules import scores_reference
@@ -58,17 +58,19 @@ from rlhf.sampling import collect_rollouts, filter_overlong
 from rlhf.types import RolloutBatch, StepMetrics, TrainBatch
 
 
-def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any) -> None:
+def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer: Any,
+             eval_set: EvalSet | None = None) -> None:
     """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`).
 
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
-    supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6).
+    supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6) unless
+    `eval_set` holds them already (the scripts load it before Ray starts).
     """
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
     rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # choice 8
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
-    evaluator = Evaluator.from_config(cfg, tokenizer) if cfg.eval_every else None
+    evaluator = Evaluator.from_config(cfg, tokenizer, eval_set) if cfg.eval_every else None
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
     # The final evaluation is one more tick of the progress bar.
     total = cfg.grpo.steps + (evaluator is not None)

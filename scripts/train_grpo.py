@@ -26,13 +26,15 @@ def main(argv: list[str] | None = None) -> int:
 def prepare_run(cfg):
     """Everything that can fail on bad input, checked before Ray starts: rewards load, the model
     resolves and its folder is complete, the prompts load and tokenize and fit the model's
-    positions with their completions, and a resume fits its checkpoint."""
+    positions with their completions, the held-out prompts (with `eval_every`) load, and a resume
+    fits its checkpoint."""
     from transformers import AutoTokenizer
 
     from rewards import load_reward_fn
     from rlhf.data.assets import resolve_model_path
     from rlhf.data.model_folder import check_context, check_model_files
     from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.evaluate import load_eval_set
     from rlhf.reward_model import check_reward_model
     from rlhf.run.folder import check_resume
 
@@ -50,10 +52,11 @@ def prepare_run(cfg):
     check_context(cfg, model_path, max(map(len, ids), default=0))
     prompts = PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)
     check_resume(cfg, model_path, prompts)
-    return model_path, tokenizer, prompts
+    eval_set = load_eval_set(cfg, tokenizer) if cfg.eval_every else None
+    return model_path, tokenizer, prompts, eval_set
 
 
-def run(cfg, model_path: str, tokenizer, prompts) -> None:
+def run(cfg, model_path: str, tokenizer, prompts, eval_set) -> None:
     from actors.cluster import build_cluster
     from rlhf.grpo import run_grpo
     from rlhf.run.plots import plot_metrics
@@ -62,7 +65,7 @@ def run(cfg, model_path: str, tokenizer, prompts) -> None:
     with ray_session(cfg) as out:
         cluster = build_cluster(cfg, model_path)
         try:
-            run_grpo(cfg, cluster, prompts, tokenizer)
+            run_grpo(cfg, cluster, prompts, tokenizer, eval_set)
         finally:
             cluster.shutdown()
     print(f"metrics: {out / 'metrics.jsonl'}  plot: {plot_metrics(out / 'metrics.jsonl')}")

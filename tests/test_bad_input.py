@@ -165,6 +165,9 @@ CASES = {
                                                          "= 2256 tokens is more than the 2048 positions"),
     "evaluation past the model's positions": ("train_grpo", TINY_GRPO + ["eval.max_new_tokens=1900"],
                                               "+ eval.max_new_tokens=1900 = 2156 tokens is more than the 2048"),
+    "held-out prompts the train split holds all of": ("train_grpo", TINY_GRPO + [
+        "eval_every=5", "data.task=arithmetic_1digit", "data.num_train=2000", "data.num_eval=64"],
+        "task 'arithmetic_1digit': only 0 of 64 eval prompts are not in the train split"),
     "pairs past the model's positions": ("train_dpo", TINY_DPO + ["dpo.max_length=4096"],
                                          "dpo.max_length=4096 is more than the 2048 positions"),
     "DeepSpeed config missing": ("train_grpo", TINY_GRPO + ["learner.backend=deepspeed",

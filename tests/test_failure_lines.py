@@ -87,7 +87,7 @@ def earlier_run(out: Path, steps: int = 3, checkpoint: bool = True, overrides: t
     write_run_config(cfg, out)
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.0}) + "\n" for s in range(steps)))
     if checkpoint:
-        _, _, stream = _script("train_grpo").prepare_run(cfg)
+        _, _, stream, _ = _script("train_grpo").prepare_run(cfg)
         model_config = Path(resolve_model_path(cfg.model.path)) / "config.json"
         save_checkpoint(out, steps, FakeLearners(model_config), {"prompts": stream.state_dict()})
 

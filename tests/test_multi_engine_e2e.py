@@ -67,7 +67,7 @@ def two_engine_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("two-engines")
     cfg = load_config(ROOT / "configs" / "grpo_tiny_cpu.yaml", [f"output_dir={out}", *COMMON])
     os.chdir(ROOT)  # the reward file path in COMMON is relative to the repository
-    model_path, tokenizer, prompts = _train_grpo_module().prepare_run(cfg)
+    model_path, tokenizer, prompts, _ = _train_grpo_module().prepare_run(cfg)
     checksums: list[list[dict[str, float]]] = []
     os.environ.pop("RAY_ADDRESS", None)
     with ray_session(cfg):
