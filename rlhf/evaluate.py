@@ -170,7 +170,8 @@ class Evaluator:
     @classmethod
     def from_config(cls, cfg: RunConfig, tokenizer: Any, eval_set: EvalSet | None = None) -> Evaluator:
         """`eval_set`: the held-out prompts when loaded already, else `load_eval_set`."""
-        eval_set = eval_set or load_eval_set(cfg, tokenizer)
+        if eval_set is None:
+            eval_set = load_eval_set(cfg, tokenizer)
         return cls(eval_set, PoolScorer.correctness(cfg, tokenizer), eval_sampling(cfg), cfg.eval.k)
 
     def __call__(self, generator: Generator) -> dict[str, float]:

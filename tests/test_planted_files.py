@@ -12,16 +12,7 @@ import torch
 
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, RunConfig, load_config
 from rlhf.data.preferences import PreferenceData
-
-
-class Bomb:
-    """A pickle that, when loaded, writes `marker`: what a planted file would do."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return exec, (f"open({self.marker!r}, 'w').write('pwned')",)
+from tests.test_checkpoint_safety import Bomb
 
 
 def _dpo_config(out: Path) -> RunConfig:

@@ -409,23 +409,22 @@ def load_prompts(cfg: DataConfig, split: Split) -> list[PromptRow]:
 # Tokenization
 
 
-def prompt_text(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> tuple[str, bool]:
-    """The prompt as text, and whether the tokenizer adds its special tokens to it: the chat
-    template with the generation prompt (which writes BOS/role tokens as text itself), or raw text."""
+def prompt_text(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> str:
+    """The prompt as text: the chat template with the generation prompt, or raw text."""
     messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
     if cfg.system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
     if cfg.use_chat_template:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; set data.use_chat_template=false")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), False
-    return "\n\n".join(m["content"] for m in messages), True
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n\n".join(m["content"] for m in messages)
 
 
 def render_prompt(row: PromptRow, tokenizer: Any, cfg: DataConfig) -> list[int]:
-    """Token ids of the prompt (`prompt_text`, tokenized)."""
-    text, special = prompt_text(row, tokenizer, cfg)
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    """Token ids of the prompt (`prompt_text`, tokenized). A chat template writes BOS/role tokens as
+    text itself, so the tokenizer adds its special tokens to raw text only."""
+    return list(tokenizer(prompt_text(row, tokenizer, cfg), add_special_tokens=not cfg.use_chat_template)["input_ids"])
 
 
 def tokenize_prompts(rows: Sequence[PromptRow], tokenizer: Any, cfg: DataConfig
@@ -434,8 +433,8 @@ def tokenize_prompts(rows: Sequence[PromptRow], tokenizer: Any, cfg: DataConfig
     texts are tokenized in one batched call (one by one, 20k prompts took ~5 s of a launch)."""
     if not rows:
         return [], [], 0
-    texts, special = zip(*(prompt_text(row, tokenizer, cfg) for row in rows))
-    all_ids = tokenizer(list(texts), add_special_tokens=special[0])["input_ids"]
+    texts = [prompt_text(row, tokenizer, cfg) for row in rows]
+    all_ids = tokenizer(texts, add_special_tokens=not cfg.use_chat_template)["input_ids"]  # as render_prompt
     kept, ids = [], []
     for row, tokens in zip(rows, all_ids):
         if len(tokens) <= cfg.max_prompt_tokens:

@@ -202,14 +202,14 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     l, n = cfg.learner, cfg.learner.num_ranks
     b = 4 if cfg.model.dtype == "float32" else 2
     p, layer = shape.params(), shape.layer_params()
-    t = shape.lora_params(l.lora_rank) if l.lora_rank else p
+    lora = shape.lora_params(l.lora_rank) if l.lora_rank else 0
     root = p - shape.num_hidden_layers * layer  # embeddings, head, final norm
     fsdp, stage3 = l.backend == "fsdp2", l.zero_stage == 3
     gathered = b * (p if fsdp and not l.reshard_after_forward else root + 2 * layer) if fsdp or stage3 else 0
-    kept = learner_state(l, b, p, t if l.lora_rank else 0)  # what the backend keeps, on this GPU:
+    kept = learner_state(l, b, p, lora)  # what the backend keeps, on this GPU:
     module = 0 if kept.module_on_host else kept.module / kept.module_shards
-    host = kept.optimizer_on_host
-    masters, grads, optimizer = (0.0, 0.0, 0.0) if host else (kept.masters / n, kept.gradients / n, kept.optimizer / n)
+    masters, grads, optimizer = ((0.0, 0.0, 0.0) if kept.optimizer_on_host
+                                 else (kept.masters / n, kept.gradients / n, kept.optimizer / n))
     weights = module + gathered
     reference = (4 if fsdp else 2) * p / n if holds_reference_model(cfg) else 0
     tokens = micro_batch_tokens(cfg)

@@ -54,6 +54,7 @@ import torch
 
 from rlhf.errors import RunError
 from rlhf.protocols import LearnerGroup
+from rlhf.rules import learner_state
 from rlhf.run import signing
 from rlhf.run.signing import read_run_state, write_run_state
 
@@ -387,8 +388,6 @@ def checkpoint_bytes(cfg: RunConfig, shape: ModelShape, model_path: str | Path) 
     config; LoRA: the adapter, 4L) and the train state the backend keeps
     (`rlhf.rules.learner_state(...).saved`: FSDP2 12P, or 4P + 12L with LoRA; DeepSpeed 12P, plus
     the module b*P under ZeRO-2; with LoRA b*P + 12L)."""
-    from rlhf.rules import learner_state
-
     p, b = shape.params(), 4 if cfg.model.dtype == "float32" else 2
     lora = shape.lora_params(cfg.learner.lora_rank) if cfg.learner.lora_rank else 0
     folder = Path(model_path)
