@@ -101,26 +101,32 @@ def test_missing_column_is_a_failure_not_a_crash():
     assert rewards == [0.0] and metrics["reward/failed"] == 1
 
 
-def test_hanging_reward_times_out_and_the_pool_recovers():
+def test_hanging_reward_times_out_and_the_pool_recovers(tmp_path):
+    pid_file = tmp_path / "hung.pid"
+    rows = [{"pid_file": str(pid_file)} if c == "hang" else {} for c in ["ok", "hang", "ok", "ok", "ok", "ok"]]
     with RewardPool([(fn("hangs_on_marker"), 1.0)], timeout_s=1.0, num_workers=2) as pool:
         _warm(pool)  # the timing below measures the hang, not the start-up
-        first_pids = {r.pid for r in pool._runners}
         start = time.monotonic()
-        rewards, metrics = pool.score(["Q"] * 6, ["ok", "hang", "ok", "ok", "ok", "ok"], [{}] * 6)
+        rewards, metrics = pool.score(["Q"] * 6, ["ok", "hang", "ok", "ok", "ok", "ok"], rows)
         elapsed = time.monotonic() - start
         assert rewards == [1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
         assert metrics["reward/timeouts"] == 1 and metrics["reward/failed"] == 0
-        assert elapsed < 10
-        replaced = first_pids - {r.pid for r in pool._runners}
-        assert len(replaced) == 1 and _gone(replaced)  # the hung runner was killed
+        assert elapsed < 10  # one limit (1 s) plus start-up; never the 60 s the function sleeps
+        # The runner that hung was killed and is no longer in the pool. (Which runner that is, and
+        # whether a slow "ok" sample retired another one, depends on scheduling: the hung one names
+        # itself.)
+        hung = int(pid_file.read_text())
+        assert _gone({hung}) and hung not in {r.pid for r in pool._runners}
         rewards, metrics = pool.score(["Q"] * 4, ["ok"] * 4, [{}] * 4)  # still works
         assert rewards == [1.0] * 4 and metrics["reward/timeouts"] == 0
-    assert _gone(first_pids)
+        pids = {r.pid for r in pool._runners}
+    assert _gone(pids)
 
 
 def test_a_step_of_hanging_samples_takes_about_one_timeout_not_one_per_sample():
     """16 samples of a reward that sleeps forever, limit 2 s: one at a time they would take 16
-    limits (the pool before: 170 s for such a step); they overlap, so the step takes about one."""
+    limits (the pool before: 170 s for such a step); they overlap, so the step takes about one. The
+    bound is a quarter of one-at-a-time, loose enough for a loaded CI machine."""
     timeout_s, n = 2.0, 16
     with RewardPool([f"{FAULTY}:sleeps_forever"], timeout_s=timeout_s, num_workers=2) as pool:
         _warm(pool)
@@ -128,14 +134,14 @@ def test_a_step_of_hanging_samples_takes_about_one_timeout_not_one_per_sample():
         rewards, metrics = pool.score(["Q"] * n, [f"c{i}" for i in range(n)], [{}] * n)
         elapsed = time.monotonic() - start
         assert rewards == [0.0] * n and metrics["reward/timeouts"] == n
-        assert elapsed < 3 * timeout_s, elapsed
+        assert elapsed < 4 * timeout_s, elapsed  # one at a time: 16 limits
         line = f"reward {FAULTY}:sleeps_forever: 16/16 samples timed out (reward.timeout_s=2); scored 0"
         assert pool.warnings == [line]
 
 
 def test_hangs_do_not_hold_up_the_other_samples():
     """Every other sample hangs: the rest are scored as usual, each hang is one time-out, and the
-    step still takes about one limit."""
+    step still takes about one limit (one at a time: 12)."""
     timeout_s, n = 2.0, 24
     completions = ["hang" if i % 2 else "ok" for i in range(n)]
     with RewardPool([(fn("hangs_on_marker"), 1.0)], timeout_s=timeout_s, num_workers=2) as pool:
@@ -145,20 +151,20 @@ def test_hangs_do_not_hold_up_the_other_samples():
         elapsed = time.monotonic() - start
     assert rewards == [0.0 if c == "hang" else 1.0 for c in completions]
     assert metrics["reward/timeouts"] == n / 2 and metrics["reward/failed"] == 0
-    assert elapsed < 3 * timeout_s, elapsed
+    assert elapsed < 5 * timeout_s, elapsed
 
 
 def test_a_reward_hanging_on_every_sample_of_a_big_step_is_cut_off():
-    """400 samples that all hang: once nothing has finished for a whole limit, the samples not yet
+    """1000 samples that all hang: once nothing has finished for a whole limit, the samples not yet
     started time out at once, so the step ends after about two limits instead of queueing them all."""
-    timeout_s, n = 1.0, 400
+    timeout_s, n = 1.0, 1000
     with RewardPool([f"{FAULTY}:sleeps_forever"], timeout_s=timeout_s, num_workers=2) as pool:
         _warm(pool)
         start = time.monotonic()
         rewards, metrics = pool.score(["Q"] * n, ["c"] * n, [{}] * n)
         elapsed = time.monotonic() - start
         assert metrics["reward/timeouts"] == n and rewards == [0.0] * n
-        assert elapsed < 6 * timeout_s, elapsed  # one by one: 400 x 0.05 s / 2 runners + 1 s = 11 s
+        assert elapsed < 10 * timeout_s, elapsed  # one by one: 1000 x 0.05 s / 2 runners + 1 s = 26 s
         assert pool.score(["Q"], ["c"], [{}])[1]["reward/timeouts"] == 1  # and the pool goes on
 
 
@@ -306,6 +312,10 @@ def test_pool_in_an_unguarded_script_and_cleanup_at_exit(tmp_path):
         "from rewards import RewardPool\n"
         "pool = RewardPool(['rewards.answers:exact_answer'], num_workers=2)\n"
         "print(pool.score(['Q'] * 2, ['6', '7'], [{'answer': '6'}] * 2)[0])\n"
+        "import time\n"  # runners are handed over while scoring: score until both are up
+        "deadline = time.monotonic() + 30\n"
+        "while len(pool._runners) < 2 and time.monotonic() < deadline:\n"
+        "    pool.score(['Q'], ['6'], [{'answer': '6'}])\n"
         "print(pool._zygote.process.pid, *[r.pid for r in pool._runners])\n")
     repo = str(Path(__file__).parents[1])
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=repo,
