@@ -121,9 +121,13 @@ class EnvConfig:
     tools: tuple[str, ...] = ()
     """Tools the model may call while it reasons (`rlhf.env.tools:calculator`, `rlhf.env.tools:python`,
     `path/to/file.py:function`); set, GRPO samples multi-turn episodes (rlhf.env.episodes) and trains on
-    the model's own tokens only. Empty: single-turn completions."""
+    the model's own tokens only. Empty (and no `environment`): single-turn completions."""
+    environment: str | None = None
+    """An environment of your own (`my_env.py:Guess`, `package.module:Name`): a class or function
+    `PromptRow -> episode` whose episode has `step(turn_text) -> Observation` (rlhf.env.episodes).
+    Set, GRPO samples its episodes instead of the tool environment's, so `tools` must be empty."""
     max_turns: int = 4
-    """Model turns per episode; an episode still calling tools after this many ends (`max_turns`)."""
+    """Model turns per episode; an episode not done after this many ends (`max_turns`)."""
     tool_timeout_s: float = 10.0
     """Per-call time limit of a tool; a call past it is cut and the model reads a time-out error."""
     max_tool_output_chars: int = 2000

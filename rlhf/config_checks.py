@@ -179,6 +179,12 @@ def _env(e: EnvConfig) -> None:
     for i, spec in enumerate(e.tools):
         check(isinstance(spec, str) and ":" in spec, f"env.tools[{i}]",
               "'package.module:function' or 'path/to/file.py:function'", spec)
+    if e.environment is not None:
+        check(isinstance(e.environment, str) and ":" in e.environment, "env.environment",
+              "'package.module:Name' or 'path/to/file.py:Name' (a class or function row -> episode)",
+              e.environment)
+        check(not e.tools, "env.environment", "unset while env.tools is set (the tools run in the built-in "
+              "tool environment; an environment of your own runs its own)", e.environment)
 
 
 def _data(d: DataConfig) -> None:
@@ -232,12 +238,16 @@ def _grpo_can_learn(c: RunConfig) -> None:
 def check_files(c: RunConfig) -> None:
     """The files the config names that nothing else reads before Ray starts (the launch calls this;
     `validate` never touches the disk): `learner.deepspeed_config`, a JSON object, read by every
-    DeepSpeed learner rank in its constructor. A JSON error names the file and line. And `env.tools`:
-    each spec imported, so a tool that fails to is one line before start-up."""
+    DeepSpeed learner rank in its constructor. A JSON error names the file and line. And `env.tools`
+    and `env.environment`: each spec imported, so one that fails to is one line before start-up."""
     if c.env.tools:
         from rlhf.env.tools import load_tools
 
         load_tools(c.env.tools)
+    if c.env.environment:
+        from rlhf.env.episodes import load_environment
+
+        load_environment(c.env.environment)
     name = c.learner.deepspeed_config
     if not name or c.learner.backend != "deepspeed":
         return

@@ -193,6 +193,8 @@ CASES = {
                                   "no_args_reward.py"),
     "reward spec without colon": ("train_grpo", TINY_GRPO + ["reward.functions=[{function: no_colon}]"],
                                   "reward.functions[0].function='no_colon' is not allowed"),
+    "environment not importable": ("train_grpo", TINY_GRPO + ["env.environment=nosuch_env:Env"],
+                                   "env.environment: environment module 'nosuch_env' is not importable"),
     # data files
     "unknown task": ("train_grpo", TINY_GRPO + ["data.task=nosuch"], "unknown data.task 'nosuch'"),
     "missing data file": ("train_grpo", TINY_GRPO + ["data.task=jsonl:/nonexistent/d.jsonl"], "/nonexistent/d.jsonl"),

@@ -44,7 +44,7 @@ ALLOWED_KEYS = {
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
     "cluster.placement_strategy", "cluster.timeout_s", "cluster.address",
     "logging.backends", "logging.project", "logging.verbose",
-    "env.tools", "env.max_turns", "env.tool_timeout_s", "env.max_tool_output_chars",
+    "env.tools", "env.environment", "env.max_turns", "env.tool_timeout_s", "env.max_tool_output_chars",
 }
 
 

@@ -5,18 +5,23 @@ exactly the model's tokens, endings by cause, and one TrainBatch for episodes of
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf.algo.advantages import grpo_advantages
+from rlhf.config import ConfigError, EnvConfig, config_from_dict
+from rlhf.config_checks import check_files
 from rlhf.data.batching import rollouts_to_batch
-from rlhf.env.episodes import ChatSuffix, Observation, ToolEnvironment, run_episodes
+from rlhf.env.episodes import (ChatSuffix, EpisodeSampler, Observation, ToolEnvironment, run_episodes,
+                               with_env_rewards)
 from rlhf.data.tiny_models import build_tokenizer
 from rlhf.env.tools import ToolBox
 from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec
 
 G = 4
+GUESS_ENV = Path(__file__).parent / "fixtures" / "guess_env.py"
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +191,69 @@ def test_a_user_environment_in_a_few_lines(tok):
     assert metrics["env/turns_mean"] == 1.5
     retry = tok.decode([t for t, m in zip(completions[1].token_ids, completions[1].mask) if not m])
     assert retry == "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_an_environment_from_the_config(tok):
+    """`env.environment` names a user file's class; its episodes, rewards and endings, checked by hand."""
+    script = {0: ["The answer is 5."],                        # right at once
+              1: ["maybe 4", "The answer is 5."],             # right on the second try
+              2: ["maybe 4"],                                 # never: max_turns ends it
+              3: ["no idea", "still none", "5"]}              # right on the last allowed turn
+    gen = ScriptedGenerator(tok, script)
+    env = EnvConfig(environment=f"{GUESS_ENV}:Guess", max_turns=3)
+    sampler = EpisodeSampler.from_config(env, gen, tok)
+    assert isinstance(sampler.environment, type) and sampler.environment.__name__ == "Guess"
+    rows = [PromptRow(prompt="What is 2 + 3?", answer="5")]
+    prompts = [prompt_ids(tok, rows[0].prompt)]
+    completions, metrics = sampler(rows, prompts, SamplingSpec(n=G, max_new_tokens=400, seed=3))
+    assert [c.reward for c in completions] == [1.0, 1.0, None, 1.0]
+    assert metrics["env/end/answer"] == 3 / 4 and metrics["env/end/max_turns"] == 1 / 4
+    assert metrics["env/turns_mean"] == (1 + 2 + 3 + 3) / 4 and metrics["env/turns_max"] == 3
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    eos = [tok.eos_token_id]
+    retry = ids("\n<|im_start|>user\ntry again<|im_end|>\n<|im_start|>assistant\n")
+    # sample 1: its first turn, the user's "try again" (masked, log-prob 0), its second turn
+    first, second = ids("k=1 maybe 4") + eos, ids("The answer is 5.") + eos
+    assert completions[1].token_ids == first + retry + second
+    assert completions[1].mask == [True] * len(first) + [False] * len(retry) + [True] * len(second)
+    lp = lambda turn: [-t / 1000 for t in turn]  # noqa: E731  (ScriptedGenerator's log-probs)
+    assert completions[1].logprobs == lp(first) + [0.0] * len(retry) + lp(second)
+    # sample 2: three turns, two retries between them, none after the last (max_turns)
+    turn = ids("maybe 4") + eos
+    assert completions[2].token_ids == ids("k=2 maybe 4") + eos + retry + turn + retry + turn
+    assert completions[0].token_ids == ids("k=0 The answer is 5.") + eos and all(completions[0].mask)
+    # the environment's reward replaces the reward functions' score; the max_turns episode (None) keeps theirs
+    assert with_env_rewards(torch.full((G,), 0.25), completions).tolist() == [1.0, 1.0, 0.25, 1.0]
+
+
+def test_no_tools_and_no_environment_is_single_turn(tok):
+    assert EpisodeSampler.from_config(EnvConfig(), ScriptedGenerator(tok), tok) is None
+
+
+@pytest.mark.parametrize("spec,message", [
+    (f"{GUESS_ENV}:Nope", "has no attribute 'Nope'"),
+    (f"{GUESS_ENV}:NOT_CALLABLE", "names a int, not a function"),
+    (f"{GUESS_ENV}:no_row", "has signature () but must take one argument, the PromptRow"),
+    ("no_such_module_xyz:Env", "environment module 'no_such_module_xyz' is not importable"),
+    ("/nonexistent/env.py:Env", "environment file '/nonexistent/env.py' does not exist"),
+])
+def test_a_bad_environment_spec_is_one_line(tok, spec, message):
+    gen = ScriptedGenerator(tok)
+    sampler = lambda: EpisodeSampler.from_config(EnvConfig(environment=spec), gen, tok)  # noqa: E731
+    launch = lambda: check_files(config_from_dict({"env": {"environment": spec}}))  # noqa: E731
+    for attempt in (sampler, launch):  # the loop's loader, and the launch's check before Ray starts
+        with pytest.raises(ConfigError) as e:
+            attempt()
+        line = str(e.value)
+        assert "\n" not in line and line.startswith("env.environment: ") and message in line
+        assert e.value.key == "env.environment"
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"environment": "no_colon"}, "env.environment='no_colon' is not allowed: 'package.module:Name' or"),
+    ({"environment": f"{GUESS_ENV}:Guess", "tools": ["rlhf.env.tools:calculator"]},
+     "is not allowed: unset while env.tools is set"),
+])
+def test_a_malformed_environment_spec_or_one_beside_tools_is_refused(env, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({"env": env})

@@ -11,8 +11,10 @@ episode, until an answer, `env.max_turns` or the token budget.
 Choices:
 1. An environment is a callable `row -> episode` whose episode has `step(turn_text) -> Observation`:
    messages to append (rendered through the chat template) or `done` with an optional reward.
-   `ToolEnvironment` is the built-in one: tool calls in the turn run (rlhf.env.tools), their outputs
-   come back as `tool` messages; a turn without a tool call is the answer.
+   `ToolEnvironment` is the built-in one (`env.tools`): tool calls in the turn run (rlhf.env.tools),
+   their outputs come back as `tool` messages; a turn without a tool call is the answer. Your own is
+   named by `env.environment` (`my_env.py:Guess`), loaded like a reward function; one or the other,
+   never both (the tools live inside the tool environment).
 2. One `Generator.generate` call per turn over every active episode of the step, so turns batch
    across the data-parallel engines as single-turn steps do. The first turn samples the G episodes
    of a prompt as today (`sampling.n` = G, the same seeds); from then on each episode is its own
@@ -35,6 +37,7 @@ Choices:
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +46,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from rewards.api import RewardLoadError, load_function
+from rlhf.config_checks import ConfigError
 from rlhf.protocols import Generator
 from rlhf.env.tools import ToolBox, parse_tool_calls
 from rlhf.types import Completion, PromptRow, SamplingSpec
@@ -75,6 +80,26 @@ class Episode(Protocol):
 
 Environment = Callable[[PromptRow], Episode]
 """`row -> episode` (choice 1): a class taking a PromptRow is one."""
+
+
+def load_environment(spec: str) -> Environment:
+    """The environment `env.environment` names (choice 1), through the reward loader; a spec that
+    does not import, names nothing callable or takes other than one argument (the row) is a
+    one-line ConfigError naming `env.environment`."""
+    try:
+        environment = load_function(spec, kind="environment")
+    except RewardLoadError as e:
+        raise ConfigError(f"env.environment: {e}", key="env.environment") from None
+    try:
+        signature = inspect.signature(environment)
+    except (TypeError, ValueError):  # no signature to check (some builtins): the first step will say
+        return environment
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise ConfigError(f"env.environment: '{spec}' has signature {signature} but must take one "
+                          f"argument, the PromptRow", key="env.environment") from None
+    return environment
 
 
 @dataclass
@@ -242,8 +267,9 @@ def _metrics(runs: list[_Run], engine: Counter) -> dict[str, float]:
 
 @dataclass
 class EpisodeSampler:
-    """What the rollout queue calls instead of `Generator.submit` when `env.tools` is set:
-    `sampler(rows, prompt_ids, sampling) -> (completions, metrics)` (run_episodes, synchronous)."""
+    """What the rollout queue calls instead of `Generator.submit` when `env.tools` or
+    `env.environment` is set: `sampler(rows, prompt_ids, sampling) -> (completions, metrics)`
+    (run_episodes, synchronous)."""
 
     generator: Generator
     environment: Environment
@@ -253,11 +279,17 @@ class EpisodeSampler:
 
     @classmethod
     def from_config(cls, env: EnvConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
-        """The tool environment of `env`, or None when `env.tools` is empty (single-turn GRPO)."""
-        if not env.tools:
+        """The episodes of `env.environment`, or of the tool environment of `env.tools`; None when
+        neither is set (single-turn GRPO). Validation refuses both at once (choice 1)."""
+        if env.environment:
+            environment: Environment = load_environment(env.environment)
+        elif env.tools:
+            box = ToolBox.from_specs(env.tools, timeout_s=env.tool_timeout_s,
+                                     max_output_chars=env.max_tool_output_chars)
+            environment = ToolEnvironment(box)
+        else:
             return None
-        box = ToolBox.from_specs(env.tools, timeout_s=env.tool_timeout_s, max_output_chars=env.max_tool_output_chars)
-        return cls(generator, ToolEnvironment(box), ChatSuffix(tokenizer), tokenizer.decode, env.max_turns)
+        return cls(generator, environment, ChatSuffix(tokenizer), tokenizer.decode, env.max_turns)
 
     def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
                  ) -> tuple[list[Completion], dict[str, float]]:
