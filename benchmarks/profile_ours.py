@@ -112,7 +112,7 @@ def profile_dpo(cfg: Any, model_path: str, tokenizer: Any, trace: str, record: d
     from rlhf.algo.objectives import DPOObjective
     from rlhf.data.batching import pairs_to_batch
     from rlhf.data.preferences import load_preference_data
-    from rlhf.data.prompts import PromptStream
+    from rlhf.data.stream import PromptStream
     from rlhf.dpo import needs_reference_model
 
     data = load_preference_data(cfg, tokenizer)

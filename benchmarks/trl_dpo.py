@@ -35,7 +35,7 @@ def our_rows_in_order(cfg: Any, tokenizer: Any) -> tuple[list[Any], list[Any]]:
         parse_row,
         tokenize_row,
     )
-    from rlhf.data.prompts import PromptStream
+    from rlhf.data.stream import PromptStream
     from rlhf.dpo import dpo_steps
 
     data = load_preference_data(cfg, tokenizer)

@@ -165,7 +165,8 @@ def ours_supports_ignore_eos() -> bool:
 def grpo_step_prompts(cfg: RunConfig, tokenizer: Any) -> list[list[tuple[Any, list[int]]]]:
     """[(PromptRow, prompt token ids)] of every step, exactly as our loop takes them: the
     `rlhf.data.prompts` pipeline of scripts/train_grpo.py, then `prompts_per_step` per step."""
-    from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.data.prompts import load_prompts, tokenize_prompts
+    from rlhf.data.stream import PromptStream
 
     rows, ids, _ = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
     stream = PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)

@@ -36,7 +36,7 @@ from rlhf.algo.objectives import DPOObjective, reduce_metrics
 from rlhf.config import ConfigError, DPOConfig, RunConfig
 from rlhf.data.batching import pairs_to_batch
 from rlhf.data.preferences import PreferenceData
-from rlhf.data.prompts import PromptStream
+from rlhf.data.stream import PromptStream
 from rlhf.protocols import LearnerGroup
 from rlhf.rules import scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint

@@ -45,7 +45,7 @@ from rlhf.algo.advantages import grpo_advantages
 from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
 from rlhf.data.batching import rollouts_to_batch
-from rlhf.data.prompts import PromptStream
+from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.errors import RunError
 from rlhf.evaluate import EvalSet, Evaluator

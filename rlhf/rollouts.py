@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.data.prompts import PromptStream
+from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.protocols import Generator, PendingGeneration
 from rlhf.types import Completion, PromptRow, RolloutBatch, SamplingSpec

@@ -34,7 +34,7 @@ def prepare_run(cfg):
     from rlhf.data.assets import resolve_model_path
     from rlhf.data.model_folder import check_context, check_model_files
     from rlhf.data.preferences import load_preference_data
-    from rlhf.data.prompts import PromptStream
+    from rlhf.data.stream import PromptStream
     from rlhf.run.folder import check_resume
 
     model_path = resolve_model_path(cfg.model.path)

@@ -33,7 +33,8 @@ def prepare_run(cfg):
     from rewards import load_reward_fn
     from rlhf.data.assets import resolve_model_path
     from rlhf.data.model_folder import check_context, check_model_files
-    from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+    from rlhf.data.prompts import load_prompts, tokenize_prompts
+    from rlhf.data.stream import PromptStream
     from rlhf.evaluate import load_eval_set
     from rlhf.reward_model import check_reward_model
     from rlhf.run.folder import check_resume

@@ -22,7 +22,7 @@ from torch.testing import assert_close
 from rlhf.algo.losses import grpo_policy_loss, importance_weights
 from rlhf.algo.objectives import GRPOObjective, reduce_metrics
 from rlhf.config import load_config
-from rlhf.data.prompts import PromptStream
+from rlhf.data.stream import PromptStream
 from rlhf.rollouts import Finished, RolloutQueue
 from rlhf.run.metrics import read_metrics
 from rlhf.types import Completion, PromptRow, TrainBatch

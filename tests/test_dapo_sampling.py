@@ -23,7 +23,7 @@ from rlhf.algo.advantages import informative_groups
 from rlhf.algo.objectives import GRPOObjective
 from rlhf.algo.overlong import filter_truncated, overlong_penalty
 from rlhf.config import ConfigError, load_config
-from rlhf.data.prompts import PromptStream
+from rlhf.data.stream import PromptStream
 from rlhf.rollouts import Finished, RolloutQueue
 from rlhf.run.metrics import PhaseTimer, read_metrics
 from rlhf.sampling import collect_rollouts, filter_overlong

@@ -12,7 +12,8 @@ import pytest
 from rlhf.config import DataConfig
 from rlhf.data import assets
 from rlhf.data import prompts as data
-from rlhf.data.prompts import PromptStream, last_boxed, load_prompts, render_prompt, tokenize_prompts
+from rlhf.data.prompts import last_boxed, load_prompts, render_prompt, tokenize_prompts
+from rlhf.data.stream import PromptStream
 from rlhf.types import PromptRow
 
 SAMPLES = Path(__file__).parent / "data"

@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from rlhf.config import RewardFnConfig, load_config
-from rlhf.data.prompts import PromptStream, load_prompts, tokenize_prompts
+from rlhf.data.prompts import load_prompts, tokenize_prompts
+from rlhf.data.stream import PromptStream
 from rlhf.data.tiny_models import build_tokenizer
 from rlhf.evaluate import (EvalSet, eval_sampling, evaluate, format_table, load_eval_set, pass_at_k, report,
                            task_label)

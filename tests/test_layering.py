@@ -150,3 +150,18 @@ def test_readme_architecture_names_every_module_and_folder():
     listed = {line.split()[0].rstrip("/") for line in section.splitlines()
               if line.startswith("  ") and "/" in line}
     assert folders <= listed
+
+
+def test_product_files_and_functions_stay_small():
+    """A file a newcomer can read in one sitting (<= 500 lines) and functions that fit a screen
+    (<= 60 lines): past that, a module is holding two things."""
+    long_files, long_functions = [], []
+    for path in python_files(*PRODUCT):
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        if text.count("\n") > 500:
+            long_files.append((name, text.count("\n")))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long_functions.append((name, node.name, node.end_lineno - node.lineno + 1))
+    assert not long_files and not long_functions, (long_files, long_functions)
