@@ -1,8 +1,9 @@
-"""`ray job submit` (scripts/submit.sh) of the tiny GRPO and DPO recipes to a loopback-only Ray head
-with token auth, as the README starts it, and that head's every process listening on loopback only;
-and a two-node Ray cluster on this machine (a head plus a second `ray start --address=...` node,
-each with its own resources) that a run spreads over: engines and learner ranks on both nodes, the
-learners' gloo group and the weight sync across them, directly and through `ray job submit`.
+"""`ray job submit` (scripts/submit.sh) of the tiny DPO recipe to a loopback-only Ray head with token
+auth, as the README starts it, and that head's every process listening on loopback only; and a
+two-node Ray cluster on this machine (a head plus a second `ray start --address=...` node, each with
+its own resources) that GRPO runs spread over, through `ray job submit` and from a driver outside
+the cluster: engines and learner ranks on both nodes, the learners' gloo group and the weight sync
+across them, and the loss of a node mid-run. One cluster of each kind serves its tests.
 Every node and client of these tests shares one random token (token auth, as on a real cluster)."""
 
 from __future__ import annotations
@@ -142,17 +143,18 @@ def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_ray_job_submit_runs_the_tiny_recipe(ray_head, tmp_path):
-    out = tmp_path / "job_out"
-    submit(ray_head, "configs/grpo_tiny_cpu.yaml", "grpo.steps=2", "save_every=0", f"output_dir={out}")
+def test_ray_job_submit_runs_the_tiny_dpo_recipe(ray_head, tmp_path):
+    out = tmp_path / "dpo_job_out"
+    submit(ray_head, "configs/dpo_tiny_cpu.yaml", "dpo.max_steps=2", "save_every=0", "eval_every=0",
+           f"output_dir={out}")
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [0, 1] and "rewards/margin" in records[-1]
     assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
 
 
 def test_the_test_head_listens_on_loopback_only(ray_head):
     """Every process of the head (GCS, raylet, dashboard and its Jobs API, agents, monitor, Ray
-    client server, the workers of the jobs above) listens on 127.0.0.1 / ::1 only; its dashboard
+    client server, the workers of the DPO job above) listens on 127.0.0.1 / ::1 only; its dashboard
     refuses a request without the token."""
     import urllib.error
     import urllib.request
@@ -167,15 +169,6 @@ def test_the_test_head_listens_on_loopback_only(ray_head):
     assert [f for f in found if not is_loopback(f[1])] == [], table
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(f"{ray_head[0]}/api/jobs/", timeout=30)
-
-
-def test_ray_job_submit_runs_the_tiny_dpo_recipe(ray_head, tmp_path):
-    out = tmp_path / "dpo_job_out"
-    submit(ray_head, "configs/dpo_tiny_cpu.yaml", "dpo.max_steps=2", "save_every=0", "eval_every=0",
-           f"output_dir={out}")
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1] and "rewards/margin" in records[-1]
-    assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,50 +187,54 @@ def _nodes_of(stdout: str) -> tuple[set[str], set[str]]:
             {r.split("@")[1] for r in learners.split(" (")[0].split()})
 
 
-def test_a_run_spreads_over_two_ray_nodes(tmp_path):
-    """Engines and learner ranks on both nodes: the learners' gloo group spans the nodes, and the
-    weights reach the engine of the other node (mismatch at fp32 noise on every step)."""
-    with _cluster(2) as (dashboard, gcs, env, _):
-        out = tmp_path / "two_nodes"
-        proc = subprocess.run(
-            [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
-             f"cluster.address={gcs}", *TWO_NODES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        assert "on 2 node(s)" in proc.stdout
-        print("\n" + "\n".join(ln for ln in proc.stdout.splitlines() if ln.startswith(("cluster:", "placement:"))))
-        engine_nodes, learner_nodes = _nodes_of(proc.stdout)
-        assert engine_nodes == learner_nodes == {"node0", "node1"}
-        records = read_metrics(out / "metrics.jsonl")
-        assert [r["step"] for r in records] == [0, 1]
-        assert all(r["mismatch/logprob_abs_diff"] < 1e-4 for r in records)
-        assert all(r["gen/engine0_tokens"] > 0 and r["gen/engine1_tokens"] > 0 for r in records)
-
-        job_out = tmp_path / "two_nodes_job"
-        job = submit((dashboard, env), "configs/grpo_tiny_cpu.yaml", *TWO_NODES, f"output_dir={job_out}")
-        engine_nodes, learner_nodes = _nodes_of(job.stdout)
-        assert engine_nodes == learner_nodes == {"node0", "node1"}
-        assert [r["step"] for r in read_metrics(job_out / "metrics.jsonl")] == [0, 1]
+@pytest.fixture(scope="module")
+def two_nodes():
+    """One two-node cluster for the tests below, in order: a run spreads over it, then a node dies."""
+    with _cluster(2) as cluster:
+        yield cluster
 
 
-def test_a_node_that_dies_ends_the_run_with_one_line(tmp_path):
-    """The second node's processes are killed mid-run: the driver exits non-zero in bounded time
-    with one line naming the actor that was lost and the phase, and where to resume from."""
-    with _cluster(2) as (_, gcs, env, temp_dirs):
-        out = tmp_path / "node_dies"
-        cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
-               f"cluster.address={gcs}", *TWO_NODES, "grpo.steps=50", "save_every=1"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        first = checkpoint_root(out) / "step_000001" / MANIFEST  # written last: the checkpoint is complete
-        deadline = time.time() + 600
-        while not first.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.5)
-        assert first.exists(), "the run never wrote its first checkpoint"
-        killed_at = time.time()
-        _stop_head(temp_dirs[1])  # every process of the second node: its raylet, engine 1, learner rank 1
-        stdout, stderr = proc.communicate(timeout=300)
-        waited = time.time() - killed_at
-        assert waited < 180
+def test_a_run_spreads_over_two_ray_nodes(two_nodes, tmp_path):
+    """Through `ray job submit` (the driver then runs on the head): engines and learner ranks on both
+    nodes, the learners' gloo group spans the nodes, and the weights reach the engine of the other
+    node (mismatch at fp32 noise on every step); the final model is saved. A driver outside the
+    cluster (`cluster.address=`) is the next test's run."""
+    dashboard, _, env, _ = two_nodes
+    out = tmp_path / "two_nodes_job"
+    job = submit((dashboard, env), "configs/grpo_tiny_cpu.yaml", *TWO_NODES, f"output_dir={out}")
+    assert "on 2 node(s)" in job.stdout
+    print("\n" + "\n".join(ln for ln in job.stdout.splitlines() if ln.startswith(("cluster:", "placement:"))))
+    engine_nodes, learner_nodes = _nodes_of(job.stdout)
+    assert engine_nodes == learner_nodes == {"node0", "node1"}
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["mismatch/logprob_abs_diff"] < 1e-4 for r in records)
+    assert all(r["gen/engine0_tokens"] > 0 and r["gen/engine1_tokens"] > 0 for r in records)
+    assert (out / "checkpoints" / "step_000002" / "model" / "model.safetensors").is_file()
+
+
+def test_a_node_that_dies_ends_the_run_with_one_line(two_nodes, tmp_path):
+    """A driver outside the cluster (`cluster.address=`) spreads a run over both nodes, then the
+    second node's processes are killed mid-run: the driver exits non-zero in bounded time with one
+    line naming the actor that was lost and the phase, and where to resume from. (Last: it takes the
+    module's cluster down to one node.)"""
+    _, gcs, env, temp_dirs = two_nodes
+    out = tmp_path / "node_dies"
+    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml", f"output_dir={out}",
+           f"cluster.address={gcs}", *TWO_NODES, "grpo.steps=50", "save_every=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = checkpoint_root(out) / "step_000001" / MANIFEST  # written last: the checkpoint is complete
+    deadline = time.time() + 600
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert first.exists(), "the run never wrote its first checkpoint"
+    killed_at = time.time()
+    _stop_head(temp_dirs[1])  # every process of the second node: its raylet, engine 1, learner rank 1
+    stdout, stderr = proc.communicate(timeout=300)
+    waited = time.time() - killed_at
+    assert waited < 180
     assert proc.returncode == 1, stdout[-2000:] + stderr[-3000:]
+    assert _nodes_of(stdout) == ({"node0", "node1"}, {"node0", "node1"})  # it had spread over both
     last = [ln for ln in stderr.splitlines() if ln.startswith("error: ")]
     assert len(last) == 1, stderr[-3000:]
     print(f"\n[node death] exit after {waited:.0f} s: {last[0]}")  # -s shows what the user sees
