@@ -37,12 +37,32 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import deepspeed
 import torch
+
+
+@contextmanager
+def _hidden(module: str) -> Iterator[None]:
+    """`import module` fails inside (unless it is imported already): DeepSpeed's autotuner imports
+    mlflow when it is installed (the trackers extra), ~3 s of every learner process's start, for
+    logging autotuning runs that no learner makes. The driver's tracker imports mlflow itself."""
+    hide = module not in sys.modules
+    if hide:
+        sys.modules[module] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if hide:
+            del sys.modules[module]
+
+
+with _hidden("mlflow"):
+    import deepspeed
 
 from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
 from actors.learner_base import RankContext, make_scheduler

@@ -11,18 +11,22 @@ extra round generates another prompts_per_step prompts (rlhf.rollouts.RolloutQue
 sum of timing/step_s (start-up and checkpoints left out). `reward/mean` is the first round's reward
 on both sides (rlhf.sampling choice 4), i.e. the policy's reward on fresh prompts. Gain: mean reward of
 the last k steps minus that of the first k steps, divided by the run's samples (per 1000) or minutes.
+Since the reward saturates near 1, the table also gives the samples and seconds until the mean reward
+of `WINDOW` consecutive steps first reaches `TARGET` (n/a when it never does).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 STEM = "grpo_dynamic_sampling_smollm2_cpu"
+TARGET, WINDOW = 0.8, 3
 ROWS = (  # (summary key, table label, format)
     ("steps", "steps", "{:.0f}"),
     ("first_reward", "reward/mean, first {k} steps", "{:.3f}"),
@@ -31,6 +35,8 @@ ROWS = (  # (summary key, table label, format)
     ("seconds", "step seconds (sum of timing/step_s)", "{:.0f}"),
     ("gain_per_1k_samples", "reward gain per 1000 samples", "{:.4f}"),
     ("gain_per_minute", "reward gain per minute", "{:.4f}"),
+    ("samples_to_target", f"generated samples until the {WINDOW}-step mean reward >= {TARGET}", "{:.0f}"),
+    ("seconds_to_target", f"step seconds until the {WINDOW}-step mean reward >= {TARGET}", "{:.0f}"),
     ("informative_frac", "informative fraction (mean)", "{:.3f}"),
 )
 
@@ -51,13 +57,19 @@ def summarize(records: list[dict[str, Any]], prompts_per_step: int = 6, group_si
     """The table's figures for one run (see the module docstring)."""
     rewards = [float(r["reward/mean"]) for r in records]
     first, last = sum(rewards[:k]) / len(rewards[:k]), sum(rewards[-k:]) / len(rewards[-k:])
-    samples = sum(samples_per_step(records, prompts_per_step, group_size))
+    per_step = samples_per_step(records, prompts_per_step, group_size)
+    samples = sum(per_step)
     seconds = sum(float(r["timing/step_s"]) for r in records)
     fracs = [float(r["dynamic/informative_frac"]) for r in records if "dynamic/informative_frac" in r]
+    reached = next((i for i in range(WINDOW - 1, len(rewards))
+                    if sum(rewards[i - WINDOW + 1:i + 1]) / WINDOW >= TARGET), None)
+    nan = float("nan")
     return {"steps": len(records), "first_reward": first, "last_reward": last, "samples": samples,
             "seconds": seconds, "gain_per_1k_samples": (last - first) / samples * 1000,
             "gain_per_minute": (last - first) / seconds * 60,
-            "informative_frac": sum(fracs) / len(fracs) if fracs else float("nan")}
+            "samples_to_target": nan if reached is None else sum(per_step[:reached + 1]),
+            "seconds_to_target": nan if reached is None else sum(r["timing/step_s"] for r in records[:reached + 1]),
+            "informative_frac": sum(fracs) / len(fracs) if fracs else nan}
 
 
 def table(summaries: dict[str, dict[str, float]], k: int = 5) -> str:
@@ -65,7 +77,7 @@ def table(summaries: dict[str, dict[str, float]], k: int = 5) -> str:
     names = list(summaries)
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for key, label, fmt in ROWS:
-        cells = " | ".join(fmt.format(summaries[n][key]) for n in names)
+        cells = " | ".join("n/a" if math.isnan(v := summaries[n][key]) else fmt.format(v) for n in names)
         lines.append(f"| {label.format(k=k)} | {cells} |")
     return "\n".join(lines)
 
