@@ -59,7 +59,8 @@ def summarize(records: list[dict[str, Any]], prompts_per_step: int = 6, group_si
     first, last = sum(rewards[:k]) / len(rewards[:k]), sum(rewards[-k:]) / len(rewards[-k:])
     per_step = samples_per_step(records, prompts_per_step, group_size)
     samples = sum(per_step)
-    seconds = sum(float(r["timing/step_s"]) for r in records)
+    step_s = [float(r["timing/step_s"]) for r in records]
+    seconds = sum(step_s)
     fracs = [float(r["dynamic/informative_frac"]) for r in records if "dynamic/informative_frac" in r]
     reached = next((i for i in range(WINDOW - 1, len(rewards))
                     if sum(rewards[i - WINDOW + 1:i + 1]) / WINDOW >= TARGET), None)
@@ -68,7 +69,7 @@ def summarize(records: list[dict[str, Any]], prompts_per_step: int = 6, group_si
             "seconds": seconds, "gain_per_1k_samples": (last - first) / samples * 1000,
             "gain_per_minute": (last - first) / seconds * 60,
             "samples_to_target": nan if reached is None else sum(per_step[:reached + 1]),
-            "seconds_to_target": nan if reached is None else sum(r["timing/step_s"] for r in records[:reached + 1]),
+            "seconds_to_target": nan if reached is None else sum(step_s[:reached + 1]),
             "informative_frac": sum(fracs) / len(fracs) if fracs else nan}
 
 

@@ -153,8 +153,11 @@ def step_metrics(step: int, rollouts: RolloutBatch, batch: TrainBatch, train: St
     r = rollouts.rewards
     lengths = torch.tensor([len(c.token_ids) for c in rollouts.completions], dtype=torch.float32)
     gen_tokens = float(lengths.sum())
-    # The engines' own seconds: with generation running ahead, the loop's wait is shorter.
-    engine_s = [v for k, v in rollouts.engine_metrics.items() if k.startswith("gen/engine") and k.endswith("_s")]
+    # The engines' own tokens and seconds (every round of dynamic sampling; with generation running
+    # ahead, the loop's wait is shorter than the engines' time).
+    engine = {k: v for k, v in rollouts.engine_metrics.items() if k.startswith("gen/engine")}
+    engine_s = [v for k, v in engine.items() if k.endswith("_s")]
+    engine_tokens = sum(v for k, v in engine.items() if k.endswith("_tokens")) or gen_tokens
     return {
         "reward/mean": float(r.mean()),
         "reward/std": float(r.std()) if r.numel() > 1 else 0.0,
@@ -170,7 +173,7 @@ def step_metrics(step: int, rollouts: RolloutBatch, batch: TrainBatch, train: St
         "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions) / len(lengths),
         **seconds,
         "throughput/tokens_per_s": (gen_tokens + float(batch.attention_mask.sum())) / seconds["timing/step_s"],
-        "throughput/gen_tokens_per_s": gen_tokens / max(max(engine_s, default=seconds["timing/generate_s"]), 1e-9),
+        "throughput/gen_tokens_per_s": engine_tokens / max(max(engine_s, default=seconds["timing/generate_s"]), 1e-9),
         "async/version": float(rollouts.version),
         "async/staleness": float(step - rollouts.version),
     }

@@ -16,9 +16,11 @@ Choices:
    generations were made: then the step trains on the informative groups it has, or, when there
    are none, on the first round's groups as they are (zero advantages, a step that changes nothing
    but is logged). On-policy only (`max_staleness=0`; the config refuses it otherwise).
-4. The step's reward metrics (`reward/mean`: the reward functions' mean, before shaping) and engine
-   metrics are those of its first round (what the step would have logged without dynamic sampling);
-   `reward/std`, the lengths and `dynamic/reward_mean` (shaped) are of the samples trained on.
+4. The step's reward metrics (`reward/mean`: the reward functions' mean, before shaping) are those
+   of its first round (what the step would have logged without dynamic sampling); the engine
+   figures (`gen/engine{e}_tokens`, `_s`, and so `throughput/gen_tokens_per_s`) add up every round's
+   generation; `reward/std`, the lengths and `dynamic/reward_mean` (shaped) are of the samples
+   trained on.
 5. Over-long filtering (`grpo.overlong: filter`): truncated responses keep their part in their
    group's baseline and are left out of the loss by zeroing their loss-mask rows (rlhf.algo.overlong).
 
@@ -27,7 +29,8 @@ Metrics: `overlong/filtered_frac` (share of the step's samples left out of the l
 `dynamic/groups_dropped` (constant groups dropped, over all rounds), `dynamic/extra_rounds`
 (generations past the first), `dynamic/informative_frac` (informative groups / groups generated),
 `dynamic/short_groups` (groups the step lacked when the cap was reached; 0 when it was filled),
-`dynamic/reward_mean` (mean reward of the groups trained on, shaping included).
+`dynamic/samples_generated` (completions generated over all rounds), `dynamic/reward_mean` (mean
+reward of the groups trained on, shaping included).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from rlhf.config import GRPOConfig, RunConfig
 from rlhf.env.episodes import with_env_rewards
 from rlhf.protocols import RewardScorer
 from rlhf.rollouts import RolloutQueue
-from rlhf.run.metrics import PhaseTimer
+from rlhf.run.metrics import PhaseTimer, add_engine_metrics
 from rlhf.types import Completion, RolloutBatch, TrainBatch
 
 
@@ -70,8 +73,13 @@ def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: 
     dynamic = {"dynamic/groups_dropped": float(generated - len(keep)),
                "dynamic/extra_rounds": float(len(rounds) - 1),
                "dynamic/informative_frac": len(keep) / generated,
-               "dynamic/short_groups": float(max(want - len(keep), 0))}
+               "dynamic/short_groups": float(max(want - len(keep), 0)),
+               "dynamic/samples_generated": float(sum(len(r.completions) for r in rounds))}
     kept = select_groups(rounds, keep[:want]) if keep else rollouts
+    engine: dict[str, float] = {}
+    for r in rounds:
+        engine = add_engine_metrics(engine, r.engine_metrics)
+    kept = replace(kept, engine_metrics=engine)
     return kept, {**metrics, **dynamic, "dynamic/reward_mean": float(kept.rewards.mean())}
 
 
@@ -103,7 +111,7 @@ def response_length(c: Completion) -> int:
 
 def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> RolloutBatch:
     """One RolloutBatch of the groups `keep` names as (round, group), in that order; reward and
-    engine metrics of the first round (choice 4)."""
+    engine metrics of the first round (choice 4: the caller adds up the engine's)."""
     g = rounds[0].group_size
     rows, prompt_ids, completions, rewards = [], [], [], []
     for r, i in keep:

@@ -88,16 +88,18 @@ def test_config_keys_and_refusals():
 
 
 class FakeEngines:
-    """Prompt [i] gets G completions [i, k] of length 1 + (k % 2), the second truncated; records seeds."""
+    """Prompt [i] gets G completions [i, k] of length 1 + (k % 2), the second truncated; records seeds.
+    Each call reports its tokens and 0.5 engine seconds."""
 
     def __init__(self) -> None:
         self.seeds = []
 
     def submit(self, prompt_ids, sampling):
         self.seeds.append(sampling.seed)
-        return Finished([Completion([p[0], k][: 1 + k % 2], [0.0] * (1 + k % 2),
-                                    "length" if k % 2 else "stop")
-                         for p in prompt_ids for k in range(sampling.n)])
+        out = [Completion([p[0], k][: 1 + k % 2], [0.0] * (1 + k % 2), "length" if k % 2 else "stop")
+               for p in prompt_ids for k in range(sampling.n)]
+        tokens = float(sum(len(c.token_ids) for c in out))
+        return Finished(out, {"gen/engine0_tokens": tokens, "gen/engine0_s": 0.5, "gen/engine_time_ratio": 1.0})
 
 
 class ScriptedReward:
@@ -136,6 +138,10 @@ def test_dynamic_sampling_drops_constant_groups_and_fills_the_step():
     assert metrics["dynamic/short_groups"] == 0 and metrics["dynamic/reward_mean"] == 0.5
     assert len(set(engines.seeds)) == rounds  # each round its own seed
     assert stream.state_dict()["position"] == 4 * rounds  # the extra prompts left the same stream
+    # What was generated is counted over every round: 4 prompts x (1 + 2 tokens) a round.
+    assert metrics["dynamic/samples_generated"] == 8 * rounds
+    assert rollouts.engine_metrics == {"gen/engine0_tokens": 12.0 * rounds, "gen/engine0_s": 0.5 * rounds,
+                                       "gen/engine_time_ratio": 1.0}
 
 
 def test_the_cap_is_honoured_and_counted():
@@ -150,6 +156,9 @@ def test_the_cap_is_honoured_and_counted():
     rollouts, metrics = collect_rollouts(0, queue, ScriptedReward(), cfg, PhaseTimer())
     assert len(engines.seeds) == 3 and metrics["dynamic/extra_rounds"] == 2 and len(rollouts.rows) == 4
     assert metrics["dynamic/informative_frac"] == 0 and metrics["dynamic/short_groups"] == 4
+    # The first round is trained on, but the engine figures add up all three generations.
+    assert metrics["dynamic/samples_generated"] == 24 and rollouts.engine_metrics["gen/engine0_tokens"] == 36
+    assert rollouts.engine_metrics["gen/engine0_s"] == 1.5
 
 
 def test_a_restored_stream_repeats_the_step():

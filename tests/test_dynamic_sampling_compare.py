@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+import benchmarks.dynamic_sampling_compare as compare
 from benchmarks.dynamic_sampling_compare import read_jsonl, samples_per_step, summarize, table
 
 STEPS = [  # prompts_per_step=2, group_size=4: 8 samples per round
@@ -52,3 +53,14 @@ def test_without_dynamic_metrics(records):
     md = table({"off": s, "on": summarize(records, 2, 4, k=1)}, k=1).splitlines()
     assert md[0] == "| | off | on |" and "| generated samples | 24 | 48 |" in md
     assert "| reward/mean, first 1 steps | 0.200 | 0.200 |" in md
+    assert "| informative fraction (mean) | n/a | 0.750 |" in md
+
+
+@pytest.mark.parametrize("target, samples, seconds", [(0.25, 32, 30.0), (0.35, 48, 60.0)])
+def test_samples_to_target(records, monkeypatch, target, samples, seconds):
+    monkeypatch.setattr(compare, "WINDOW", 2)  # 2-step means: 0.3 after step 1, 0.5 after step 2
+    monkeypatch.setattr(compare, "TARGET", target)
+    s = summarize(records, prompts_per_step=2, group_size=4)
+    assert (s["samples_to_target"], s["seconds_to_target"]) == (samples, pytest.approx(seconds))
+    monkeypatch.setattr(compare, "TARGET", 0.9)
+    assert math.isnan(summarize(records, 2, 4)["samples_to_target"])

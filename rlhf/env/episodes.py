@@ -49,6 +49,7 @@ import torch
 from rewards.api import RewardLoadError, load_function
 from rlhf.config_checks import ConfigError
 from rlhf.protocols import Generator
+from rlhf.run.metrics import add_engine_metrics
 from rlhf.env.tools import ToolBox, parse_tool_calls
 from rlhf.types import Completion, PromptRow, SamplingSpec
 
@@ -183,13 +184,13 @@ def run_episodes(generator: Generator, rows: Sequence[PromptRow], prompt_ids: Se
     turn's ids into the text the environment reads."""
     g, budget = sampling.n, sampling.max_new_tokens
     runs = [_Run(list(p), environment(row)) for row, p in zip(rows, prompt_ids) for _ in range(g)]
-    engine: Counter = Counter()
+    engine: dict[str, float] = {}
     completions = generator.generate(prompt_ids, sampling)  # turn 1: the groups as single-turn (choice 2)
     active = list(range(len(runs)))
     turn = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
         while True:
-            _add_engine_metrics(engine, generator.last_metrics())
+            engine = add_engine_metrics(engine, generator.last_metrics())
             turn_text = {i: decode(_take_turn(runs[i], c, budget)) for i, c in zip(active, completions)}
             stepping = [i for i in active if runs[i].end is None]
             for i, obs in zip(stepping, pool.map(lambda i: runs[i].episode.step(turn_text[i]), stepping)):
@@ -240,13 +241,7 @@ def _completion(run: _Run) -> Completion:
                       mask=run.mask, reward=run.reward)
 
 
-def _add_engine_metrics(total: Counter, metrics: dict[str, float]) -> None:
-    """Per-engine tokens and seconds add up over turns; other figures (ratios) keep their maximum."""
-    for k, v in metrics.items():
-        total[k] = total[k] + v if k.endswith(("_tokens", "_s")) else max(total.get(k, v), v)
-
-
-def _metrics(runs: list[_Run], engine: Counter) -> dict[str, float]:
+def _metrics(runs: list[_Run], engine: dict[str, float]) -> dict[str, float]:
     """The step's episode figures: turns, tool calls by outcome, masked tokens, endings by cause."""
     n = len(runs)
     counts = sum((r.counts for r in runs), Counter())
@@ -262,7 +257,7 @@ def _metrics(runs: list[_Run], engine: Counter) -> dict[str, float]:
         "env/masked_token_frac": masked / max(tokens, 1),
         **{f"env/end/{cause}": sum(r.end == cause for r in runs) / n for cause in ENDS},
     }
-    return {**dict(engine), **out}
+    return {**engine, **out}
 
 
 @dataclass

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from rlhf.types import StepMetrics
 
 
+def add_engine_metrics(total: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """`total` with one more generation call's engine figures (`Generator.last_metrics`) added:
+    per-engine tokens and seconds add up (turns of an episode, rounds of dynamic sampling); other
+    figures (ratios) keep their maximum."""
+    out = dict(total)
+    for k, v in metrics.items():
+        out[k] = out.get(k, 0.0) + v if k.endswith(("_tokens", "_s")) else max(out.get(k, v), v)
+    return out
+
+
 class PhaseTimer:
     """Wall-clock seconds per named phase: `with timer("generate"): ...` -> {"timing/generate_s": s}."""
 
