@@ -17,11 +17,16 @@ Choices:
 5. `more` generates extra prompts for the step being trained (dynamic sampling, rlhf.sampling),
    on-policy only: they come from the same prompt stream, so its checkpointed position covers
    them, and round r of a step samples with its own seed (derived from run seed, step, r).
+6. Multi-turn episodes (rlhf.env.episodes) are driven from this process, turn by turn. Running
+   ahead (s > 0), they run in the queue's one background thread, so they overlap training as a
+   single-turn generation does (one thread: generations still run one at a time, oldest first);
+   on-policy, in the caller's thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +49,20 @@ class Finished:
 
     def metrics(self) -> dict[str, float]:
         return dict(self.engine_metrics)
+
+
+@dataclass
+class _InBackground:
+    """A `PendingGeneration` running in the queue's thread (choice 6): its future holds
+    (completions, engine metrics)."""
+
+    future: Future
+
+    def result(self) -> list[Completion]:
+        return self.future.result()[0]
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.future.result()[1])
 
 
 @dataclass
@@ -71,9 +90,10 @@ class RolloutQueue:
     def __init__(self, generator: Generator, prompts: PromptStream, cfg: RunConfig,
                  episodes: EpisodeSampler | None = None) -> None:
         self.generator, self.prompts, self.cfg = generator, prompts, cfg
-        self.episodes = episodes  # multi-turn with tools (rlhf.env.episodes); generated when submitted
+        self.episodes = episodes  # multi-turn (rlhf.env.episodes); in a thread when running ahead (choice 6)
         self.ahead = cfg.grpo.max_staleness
         self._queue: deque[_Queued] = deque()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="episodes") if episodes and self.ahead else None
 
     def next(self, step: int) -> RolloutBatch:
         """Step `step`'s rollouts (waiting for them if needed), after submitting the generations of
@@ -111,7 +131,9 @@ class RolloutQueue:
         rows, prompt_ids = map(list, zip(*self.prompts.take(self.cfg.grpo.prompts_per_step)))
         item = _Queued(step=step, version=version, rows=rows, prompt_ids=prompt_ids)
         spec = sampling_spec(self.cfg, step, round)
-        if self.episodes is not None:
+        if self._thread is not None:
+            item.pending = _InBackground(self._thread.submit(self.episodes, rows, prompt_ids, spec))
+        elif self.episodes is not None:
             item.pending = Finished(*self.episodes(rows, prompt_ids, spec))
         else:
             item.pending = self.generator.submit(prompt_ids, spec)

@@ -161,6 +161,50 @@ def test_queued_rollouts_survive_a_checkpoint():
     assert stream.state_dict() == old_format
 
 
+class BlockingEpisodes:
+    """An episode sampler (rlhf.env.episodes.EpisodeSampler's call) that answers like FakeEngines but
+    holds each call until the test releases it, and records the thread it ran in."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release, self.threads = threading.Semaphore(0), []
+        self.entered = [threading.Event() for _ in range(8)]  # call i has started
+
+    def __call__(self, rows, prompt_ids, sampling):
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        self.entered[len(self.threads) - 1].set()
+        assert self.release.acquire(timeout=60), "never released"
+        return [Completion([p[0]], [0.0], "stop") for p in prompt_ids for _ in range(sampling.n)], {"gen/engine0_s": 1.0}
+
+
+def test_multi_turn_episodes_run_ahead_in_the_background():
+    """With max_staleness=1 the episodes of step k+1 run in the queue's thread while step k trains
+    (rlhf.rollouts choice 6): `next` returns step k with step k+1's episodes still held; on-policy,
+    they run in the caller's thread."""
+    cfg = load_config(None, ["grpo.max_staleness=1", "grpo.steps=3", "grpo.prompts_per_step=2", "grpo.group_size=2"])
+    episodes = BlockingEpisodes()
+    stream = PromptStream([(PromptRow(prompt=str(i)), [i]) for i in range(100)], seed=0)
+    queue = RolloutQueue(FakeEngines(), stream, cfg, episodes)
+    episodes.release.release()  # step 0's episodes only
+    first = queue.next(0)  # submits steps 0 and 1, waits for step 0
+    assert len(first.completions) == 4
+    assert episodes.entered[1].wait(60)  # step 1's episodes start in the background and are held
+    assert not queue._queue[0].pending.future.done()
+    episodes.release.release()
+    queue.finish()
+    assert queue._queue[0].completions is not None and queue._queue[0].engine_metrics == {"gen/engine0_s": 1.0}
+    assert all(name.startswith("episodes") for name in episodes.threads)
+
+    on_policy = BlockingEpisodes()
+    on_policy.release.release()
+    cfg0 = load_config(None, ["grpo.steps=3", "grpo.prompts_per_step=2", "grpo.group_size=2"])
+    RolloutQueue(FakeEngines(), PromptStream(list(stream._items), seed=0), cfg0, on_policy).next(0)
+    assert on_policy.threads == ["MainThread"]
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end
 
