@@ -84,3 +84,34 @@ def _open_files() -> tuple[set[Path], set[int]]:
             except OSError:
                 continue
     return held, hidden
+
+
+# DeepSpeed's JIT ops a CPU learner uses: shared-memory collectives (every multi-rank ZeRO run) and
+# CPU Adam (`learner.offload_optimizer`). Built once per host, 1-2 min on 2 cores.
+CPU_OPS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
+def build_cpu_ops(root: Path | None = None) -> list[str]:
+    """Build the DeepSpeed ops of CPU_OPS that `root` lacks (a `.so` in the op's folder), so that
+    the first run (or test) does not stop for the compiler; the ops built."""
+    root = build_root() if root is None else root
+    missing = [op for op in CPU_OPS if not list((root / op).glob("*.so"))]
+    if not missing:
+        return []
+    clear_stale_build_locks(root)
+    from deepspeed.ops import op_builder
+
+    for op in missing:
+        getattr(op_builder, CPU_OPS[op])().load(verbose=False)
+    return missing
+
+
+if __name__ == "__main__":  # scripts/setup.sh: `python -m actors.torch_extensions build`
+    import time
+
+    if sys.argv[1:] != ["build"]:
+        raise SystemExit("usage: python -m actors.torch_extensions build")
+    start = time.perf_counter()
+    built = build_cpu_ops()
+    print(f"setup: DeepSpeed CPU ops {'built: ' + ', '.join(built) if built else 'up to date'} "
+          f"({time.perf_counter() - start:.0f} s, {build_root()})")

@@ -58,4 +58,8 @@ else
   echo "$stamp_now" > "$stamp_file"
 fi
 
+# DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) are compiled on first use: once per
+# host, 1-2 min on 2 cores. Build them here, so no run or test stops for the compiler.
+if [[ $RLHF_DEVICE == cpu ]]; then "$VENV/bin/python" -m actors.torch_extensions build; fi
+
 "$VENV/bin/python" -m rlhf.data.assets fetch

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from actors.torch_extensions import build_root, clear_stale_build_locks
+from actors.torch_extensions import CPU_OPS, build_cpu_ops, build_root, clear_stale_build_locks
 
 
 def test_a_lock_nobody_holds_is_deleted_and_a_held_one_kept(tmp_path, capsys):
@@ -39,3 +39,16 @@ def test_build_root_follows_torch_extensions_dir(tmp_path, monkeypatch):
     assert build_root() == tmp_path
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
     assert build_root().name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}_")
+
+
+def test_setup_builds_only_the_ops_a_host_lacks(tmp_path):
+    """scripts/setup.sh builds DeepSpeed's CPU ops once per host: ops whose folder holds a built
+    library are left alone (nothing imported, nothing compiled), and each name is the folder
+    DeepSpeed's own builder uses."""
+    from deepspeed.ops import op_builder
+
+    for op, builder in CPU_OPS.items():
+        assert getattr(op_builder, builder).NAME == op
+        (tmp_path / op).mkdir()
+        (tmp_path / op / f"{op}.so").write_bytes(b"")
+    assert build_cpu_ops(tmp_path) == []
