@@ -362,30 +362,31 @@ def test_scale_layouts_resolve(tmp_path, on_gpu):
 
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_scale_runs_two_layouts_end_to_end_on_cpu(tmp_path):
-    """benchmarks/scale.py --tiny: 1gpu (1 engine + 1 rank) and 2gpu-fsdp2 (2 engines + 2 ranks),
-    one after the other on CPU; one table, the target lines, one JSON line with both layouts."""
+def test_scale_runs_a_layout_end_to_end_on_cpu(tmp_path):
+    """benchmarks/scale.py --tiny with the two-engine layout (2 engines + 2 ranks) on CPU: the run,
+    its cluster line and per-engine figures, the table, the target lines and the JSON record. The
+    speed-up against 1gpu and the table of several layouts are unit-tested above on the same
+    records (a second launch here would only repeat the start-up)."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "benchmarks/scale.py", "--tiny", "--layouts", "1gpu,2gpu-fsdp2", "--steps", "2",
+        [sys.executable, "benchmarks/scale.py", "--tiny", "--layouts", "2gpu-fsdp2", "--steps", "2",
          "--workdir", str(tmp_path / "work"), "--results", str(tmp_path / "results")],
         cwd=repo, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert "| metric | 1gpu | 2gpu-fsdp2 |" in lines
-    assert "| engines | 1 | 2 |" in lines and "| learner ranks, backend | 1 fsdp2 | 2 fsdp2 |" in lines
-    assert any(line.startswith("2 GPUs vs 1: best 2-GPU layout 2gpu-fsdp2 gives ") for line in lines)
+    assert "| metric | 2gpu-fsdp2 |" in lines
+    assert "| engines | 2 |" in lines and "| learner ranks, backend | 2 fsdp2 |" in lines
+    assert "2 GPUs vs 1: not measured (needs 1gpu and a 2-GPU layout that ran)" in lines
     assert any(line.startswith("sync: max ") for line in lines)
     [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu-scale-tiny.jsonl").read_text()
                 .splitlines()]
-    assert list(record["layouts"]) == ["1gpu", "2gpu-fsdp2"]
-    for name, engines in (("1gpu", 1), ("2gpu-fsdp2", 2)):
-        side = record["sides"][name]
-        assert side["ok"] and [s["step"] for s in side["steps"]] == [0, 1]
-        assert all(s["engines"] == engines for s in side["steps"]) and side["cluster"]["engines"] == engines
-        assert record["summary"][name]["samples_per_s"] > 0
-    assert record["summary"]["1gpu"]["speedup"] == 1.0
+    assert list(record["layouts"]) == ["2gpu-fsdp2"]
+    side = record["sides"]["2gpu-fsdp2"]
+    assert side["ok"] and [s["step"] for s in side["steps"]] == [0, 1]
+    assert all(s["engines"] == 2 for s in side["steps"]) and side["cluster"]["engines"] == 2
+    assert record["summary"]["2gpu-fsdp2"]["samples_per_s"] > 0
+    assert record["summary"]["2gpu-fsdp2"]["speedup"] is None  # no 1gpu side to divide by
