@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-2/3 as a learner rank's Sharding, interchangeable with `actors.fsdp2_learner.FSDP2Sharding`.
 
-The only file that imports `deepspeed`; what every backend shares (micro-batching, the train and
-log-prob loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`, which holds this.
+The only file that runs `deepspeed` (actors/torch_extensions.py builds its ops at set-up); what every
+backend shares (micro-batching, the train and log-prob loops, metrics, weight buckets, HF export) is
+`actors.learner_base.LearnerRank`, which holds this.
 
 Choices:
 1. Gradient accumulation belongs to LearnerRank, which runs a variable number of micro-batches

@@ -93,7 +93,7 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
 # "packed-flex": the same budget, each micro-batch one padding-free row under FlexAttention's
 # per-document mask (the kernel the learner picks for packed rows on a GPU) and the fused head.
 # FlexAttention has no backward on CPU: here its log-probs are checked, its gradients on a GPU
-# (tests/gpu/test_gpu_paths.py).
+# (tests/gpu/test_learner_gpu.py).
 LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24),
            "packed-flex": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True,
                                   attention="flex_attention")}
