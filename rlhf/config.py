@@ -37,8 +37,9 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     task: str = "arithmetic"
-    """Prompt source: a built-in task (`arithmetic`, `gsm_symbolic`, `countdown`, `game24`, `gsm8k`,
-    `math`) or `jsonl:<path>` / `parquet:<path>` with `prompt` and `answer` columns."""
+    """Prompt source: a built-in task (`arithmetic`, `gsm_symbolic`, `countdown`, `game24`,
+    `tool_products`, `gsm8k`, `math`) or `jsonl:<path>` / `parquet:<path>` with `prompt` and
+    `answer` columns."""
     prompt_template: str = "{question}"
     """Python format string applied to each row's fields to build the user message."""
     system_prompt: str | None = None

@@ -422,3 +422,23 @@ def test_prompt_stream_refuses_a_state_from_other_data():
         PromptStream(list(range(1, 11)), seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="at least one item"):
         PromptStream([], seed=0)
+
+
+def test_tool_products_follow_a_worked_call_and_split_disjointly():
+    """The tool recipe's task: 3,000 distinct 2x2-digit products, each after the same worked
+    calculator call; eval and train are disjoint and the answers are the products."""
+    import re
+
+    from rlhf.data.prompts import TOOL_EXAMPLE
+
+    cfg = DataConfig(task="tool_products", num_train=5000, num_eval=64)
+    train, held_out = load_prompts(cfg, "train"), load_prompts(cfg, "eval")
+    assert len(held_out) == 64 and len(train) == 3000 - 64  # a fixed-size source: num_train is an upper bound
+    questions = [r.user_text() for r in train + held_out]
+    assert len(set(questions)) == 3000
+    for row in train[:50] + held_out:
+        assert row.prompt[:4] == TOOL_EXAMPLE and row.prompt[4]["role"] == "user"
+        a, b = map(int, re.fullmatch(r"What is (\d\d) \* (\d\d)\?", row.user_text()).groups())
+        assert row.answer == str(a * b)
+    assert json.loads(TOOL_EXAMPLE[1]["content"].removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
+        "name": "calculator", "arguments": {"expression": "12 * 34"}}

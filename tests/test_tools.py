@@ -140,6 +140,9 @@ def test_tool_specs_load_or_fail_as_one_config_line():
     tools = load_tools(["rlhf.env.tools:calculator", "rlhf.env.tools:python"])
     assert list(tools) == ["calculator", "python"]
     assert "calculator(expression: str)" in describe_tools(tools)
+    # the first sentence whole, though the docstring wraps it over two lines
+    assert ("- calculator(expression: str): Evaluate an arithmetic expression: numbers, + - * / // % **, "
+            "parentheses, pi, e and sqrt/abs/round/min/max/log/exp/sin/cos/tan/floor/ceil/factorial/gcd.\n") in describe_tools(tools)
     twice = ["rlhf.env.tools:calculator", "rlhf.env.tools:calculator"]
     for bad in (["rlhf.env.tools:nope"], ["no_such_module_xyz:fn"], twice):
         with pytest.raises(ConfigError) as e:

@@ -6,7 +6,8 @@
     batch = stream.take(cfg.grpo.prompts_per_step)      # stream.state_dict() goes in checkpoints
 
 Tasks (`data.task`): `arithmetic`, `gsm_symbolic`, `countdown` (reasoning-gym generators),
-`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.data.assets fetch`), `champ`
+`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.data.assets fetch`),
+`tool_products` (2x2-digit products for the calculator tool, after a worked call), `champ`
 (competition math shipped in the `champ-dataset` package), `gsm8k` and `math` (model hub), and
 `jsonl:<path>` / `parquet:<path>` for local files.
 
@@ -160,6 +161,29 @@ CHAMP_PACKAGE = "champ-dataset==1.0.0"
 # Answers CHAMP states in words ("0 is the only possible value", "The sequence does not exist") or
 # as yes/no are dropped: a checker cannot grade the first, a coin toss passes the second.
 _CHAMP_WORDY = re.compile(r"[A-Za-z]{3,}|^\s*(?:yes|no)\s*$", re.IGNORECASE)
+
+
+TOOL_EXAMPLE = [  # one worked calculator call, as earlier chat turns (tool_products)
+    {"role": "user", "content": "What is 12 * 34?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "408"},
+]
+
+
+def load_tool_products(cfg: DataConfig, split: Split, size: int = 3000) -> list[PromptRow]:
+    """`size` distinct 2x2-digit products "What is A * B?" (A, B in 10..99, in the order Random(0)
+    draws them), each after TOOL_EXAMPLE: a task a small model cannot do alone and can with the
+    calculator tool (configs/grpo_tools_smollm2_cpu.yaml). A fixed-size source (choice 2)."""
+    draw, seen, rows = random.Random(0), set(), []
+    while len(rows) < size:
+        a, b = draw.randint(10, 99), draw.randint(10, 99)
+        if (a, b) not in seen:
+            seen.add((a, b))
+            question = render_template(cfg.prompt_template, f"What is {a} * {b}?", {})
+            rows.append(PromptRow(prompt=[*TOOL_EXAMPLE, {"role": "user", "content": question}], answer=str(a * b),
+                                  meta={"task": "tool_products"}))
+    return _seeded_split(rows, cfg, split)
 
 
 def champ_file() -> Path:
@@ -386,6 +410,7 @@ TASKS: dict[str, Callable[[DataConfig, Split], list[PromptRow]]] = {
     "countdown": GymTask("countdown", dict(
         min_numbers=3, max_numbers=4, min_value=1, max_value=50, min_target=10, max_target=100)),
     "game24": load_game24,
+    "tool_products": load_tool_products,
     "champ": load_champ,
     "gsm8k": HubTask(HubSplit("openai/gsm8k", ("main",), "train"),
                      HubSplit("openai/gsm8k", ("main",), "test")),

@@ -212,7 +212,7 @@ def load_tools(specs: list[str] | tuple[str, ...]) -> dict[str, ToolFn]:
 
 
 def describe_tools(tools: dict[str, ToolFn]) -> str:
-    """One line per tool, `name(signature): first docstring line`, for a system prompt that tells
+    """One line per tool, `name(signature): first docstring sentence`, for a system prompt that tells
     the model which tools it has and how to call them."""
     lines = ['Call a tool by writing <tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>; '
              "its output comes back in the next message. Tools:"]
@@ -221,6 +221,7 @@ def describe_tools(tools: dict[str, ToolFn]) -> str:
         params = [p for p in params if p.name != "timeout_s"]
         shown = [p.name if p.annotation is p.empty
                  else f"{p.name}: {getattr(p.annotation, '__name__', p.annotation)}" for p in params]
-        doc = (inspect.getdoc(fn) or "").split("\n")[0]
+        paragraph = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
+        doc = paragraph.split(". ")[0].rstrip(".") + "." if paragraph else ""  # its first sentence
         lines.append(f"- {name}({', '.join(shown)}): {doc}")
     return "\n".join(lines)
