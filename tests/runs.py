@@ -92,7 +92,7 @@ def interrupt_after_first_checkpoint(tmp: Path) -> InterruptedRun:
            f"output_dir={out}", "grpo.steps=500", "save_every=1", "data.num_train=16", "data.num_eval=0"]
     with open(tmp / "stdout", "w") as stdout, open(tmp / "stderr", "w") as stderr:  # no pipe to fill
         proc = subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=stdout, stderr=stderr,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_default_sigint)
     processes: dict[int, str] = {}
     try:
         first = checkpoint_root(out) / "step_000001" / MANIFEST
@@ -115,6 +115,14 @@ def interrupt_after_first_checkpoint(tmp: Path) -> InterruptedRun:
         _kill_if_unchanged(processes)
     stderr_text = (tmp / "stderr").read_text()
     return InterruptedRun(out, proc.pid, proc.returncode, stderr_text, processes, listening, left)
+
+
+def _default_sigint() -> None:
+    """In the run's process, before exec: SIGINT back to its default, as in a terminal's foreground
+    job. A test session started in the background by a non-interactive shell (`pytest &`) ignores
+    SIGINT, the run would inherit that, and Python then installs no KeyboardInterrupt handler: the
+    Ctrl-C would go unheard (seen when the suite was started that way: the run went on to step 107)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _session_processes(sid: int) -> list:
