@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +26,9 @@ if TYPE_CHECKING:
 def ray_session(cfg: RunConfig) -> Iterator[Path]:
     """Create `cfg.output_dir` with the resolved `config.yaml`, print what the run is, join the Ray
     cluster at `cluster.address` / RAY_ADDRESS (as under `ray job submit`) or start a local one,
-    and shut Ray down on the way out, error or not. Unless `logging.verbose`, what the libraries
-    print goes to `<output_dir>/logs/` (scripts/console.py). Yields the output folder."""
+    and shut Ray down on the way out, error or not (SIGTERM included: it raises Terminated, as
+    Ctrl-C raises KeyboardInterrupt). Unless `logging.verbose`, what the libraries print goes to
+    `<output_dir>/logs/` (scripts/console.py). Yields the output folder."""
     import ray
 
     from rlhf.run.trackers import check_backends
@@ -45,7 +48,8 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
     with driver_logs_to_file(logs, verbose=verbose):
         context = ray.init(address=address, **ray_init_kwargs(logs, verbose=verbose, local=address is None))
         try:
-            yield out
+            with _sigterm_as_interrupt():  # after ray.init, whose own handler would end the driver on the spot
+                yield out
         except Exception as e:
             if not verbose and not isinstance(e, ConfigError):
                 print(f"logs of the engines, learners and Ray: {logs}/", file=sys.stderr)
@@ -83,7 +87,8 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
     (`checked_run`), then `run(cfg, *prepared)`. Bad input prints one `error:` line and returns 2;
     an actor that dies or hangs, or a RunError, one line naming it and where to resume, and 1;
     Ctrl-C, one line naming what was saved and how to resume, and 130 (Ray is shut down on the way
-    out: `ray_session`). Tracebacks go to `<output_dir>/logs/driver.log`, not the terminal."""
+    out: `ray_session`); SIGTERM (a scheduler, `kill`, `timeout`) the same way, and 143. Tracebacks
+    go to `<output_dir>/logs/driver.log`, not the terminal."""
     try:
         cfg, prepared = checked_run(doc, default_config, algorithm, argv, prepare)
     except KeyboardInterrupt:
@@ -95,11 +100,11 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         return 2
     try:
         run(cfg, *prepared)
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Terminated too: SIGTERM once Ray is up (ray_session)
         _end_progress_bars()
         _log_traceback(cfg, e)
-        print(f"error: {interrupted(cfg)}", file=sys.stderr)
-        return 130
+        print(f"error: {interrupted(cfg, 'SIGTERM' if isinstance(e, Terminated) else 'Ctrl-C')}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     except ConfigError as e:  # what only the Ray cluster can tell: too few GPUs for the layout
         _end_progress_bars()
         print(f"error: {e}", file=sys.stderr)
@@ -115,6 +120,28 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
         print(f"error: {_one_line(e)}. {resume_hint(cfg)}", file=sys.stderr)
         return 1
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a run, taken as a Ctrl-C is: otherwise the driver dies on the spot (Ray's own
+    handler logs it and re-raises), Ray is never shut down and its agents outlive the run."""
+
+
+def _terminate(signum: int, frame: object) -> NoReturn:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated inside (signal handlers belong to the main thread: elsewhere, as is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
@@ -266,12 +293,12 @@ def resume_hint(cfg: RunConfig) -> str:
     return f"No checkpoint was written; {again} (save_every=K keeps one every K steps)"
 
 
-def interrupted(cfg: RunConfig) -> str:
-    """The line for a run stopped by Ctrl-C: how far it got, what was saved, how to resume."""
+def interrupted(cfg: RunConfig, by: str = "Ctrl-C") -> str:
+    """The line for a run stopped by Ctrl-C (or SIGTERM): how far it got, what was saved, how to resume."""
     from rlhf.run.folder import metrics_steps, steps_done
 
     steps = metrics_steps(cfg.output_dir)
-    return f"interrupted (Ctrl-C){f' after {steps_done(steps)}' if steps else ''}. {resume_hint(cfg)}"
+    return f"interrupted ({by}){f' after {steps_done(steps)}' if steps else ''}. {resume_hint(cfg)}"
 
 
 def _end_progress_bars() -> None:

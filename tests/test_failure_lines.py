@@ -241,6 +241,57 @@ def test_ctrl_c_during_the_run_is_one_line_naming_the_checkpoint_and_exit_130(tm
     assert "KeyboardInterrupt" in (tmp_path / "logs" / "driver.log").read_text()
 
 
+def test_sigterm_during_the_run_ends_it_like_ctrl_c_with_exit_143(tmp_path, monkeypatch, capsys):
+    """A scheduler's or `kill`'s SIGTERM once Ray is up is taken as a Ctrl-C (Ray shut down, one line
+    naming the checkpoint, 143), not as Ray's handler takes it in a driver (log and die on the spot,
+    leaving Ray's agents behind: seen on a real run). `ray.init` here installs such a handler, as
+    Ray's does; the caller's handler is back afterwards."""
+    import os
+    import signal
+    import time
+
+    import ray
+
+    import scripts.console
+    from scripts.launch import ray_session
+
+    class Context:
+        address_info = {"session_dir": str(tmp_path / "session")}
+
+    def rays_handler(*args):
+        pytest.fail("Ray's handler ran: the run died on the spot")
+
+    def init(*args, **kwargs):
+        signal.signal(signal.SIGTERM, rays_handler)
+        return Context()
+
+    shut_down = []
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut_down.append(True))
+    monkeypatch.setattr(scripts.console, "collect_ray_logs", lambda logs, session_dir: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def terminated_after_a_checkpoint(cfg, *prepared):
+        with ray_session(cfg) as out:
+            (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(3)))
+            save_checkpoint(out, 2, FakeLearners(), {"prompts": {}})
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises in here
+            raise AssertionError("SIGTERM did not interrupt the run")
+
+    monkeypatch.chdir(ROOT)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = _cli(tmp_path, terminated_after_a_checkpoint)
+        assert signal.getsignal(signal.SIGTERM) is rays_handler  # ours was only for the run's time
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    lines = _error_lines(capsys.readouterr().err)
+    assert code == 143 and lines == [f"error: interrupted (SIGTERM) after 3 steps. Resume from "
+                                     f"{checkpoint_root(tmp_path) / 'step_000002'} with resume=true"]
+    assert shut_down == [True] and "Terminated" in (tmp_path / "logs" / "driver.log").read_text()
+
+
 def test_ctrl_c_before_any_checkpoint_says_to_start_again_with_overwrite(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     code = _cli(tmp_path, _ran_until(None, KeyboardInterrupt()))
