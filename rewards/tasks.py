@@ -31,6 +31,7 @@ TASK_REWARDS: dict[str, str] = {
     "gsm_symbolic": "rewards.tasks:gsm_symbolic",
     "countdown": "rewards.tasks:countdown",
     "game24": "rewards.tasks:game24",
+    "tool_products": "rewards.tasks:arithmetic",
     "gsm8k": "rewards.answers:exact_answer",
     "math": "rewards.answers:math_equivalence",
     "champ": "rewards.answers:math_equivalence",
