@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
+
 class PromptStream(Generic[T]):
     """Endless, epoch-shuffled, resumable iteration over a fixed list of items (prompt rows).
 
