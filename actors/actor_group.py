@@ -343,8 +343,8 @@ class ActorGroup:
     `make_kwargs(rank, master_addr, master_port)` gives each actor's constructor arguments. With
     `rendezvous_store`, (master_addr, master_port) is a TCPStore this group serves from the driver
     for the actors' `init_process_group` (`host_store`), sealed with a random secret of this group's
-    that the actors find through Ray (`RENDEZVOUS_KEY_ENV`, `join_store`); else a free port on
-    bundle 0's node. Under a local Ray the actors' collectives are kept on loopback (`loopback_env`).
+    that the actors find through Ray (`RENDEZVOUS_KEY_ENV`, `join_store`); else the group has no
+    rendezvous ("", 0). Under a local Ray the actors' collectives are kept on loopback (`loopback_env`).
     """
 
     def __init__(
@@ -370,8 +370,8 @@ class ActorGroup:
             addr, port, self._store = host_store(len(bundles))
             self._secret_key, _ = publish_secret()
             env[RENDEZVOUS_KEY_ENV] = self._secret_key
-        else:
-            addr, port = ray.get(node_address.options(scheduling_strategy=place(bundles[0])).remote())
+        else:  # the engines: no rendezvous, so no Ray task (a worker process started) to find an address
+            addr, port = "", 0
         remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": env} if env else None
         self.actors = [

@@ -219,9 +219,8 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
         generator.group.ready()
         ready["engines"] = time.perf_counter() - start
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
-    addr, port = ray.get(node_address.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote())
-    transport = choose_transport(cfg, device.kind, addr, port)
+    transport = choose_transport(cfg, device.kind, lambda: ray.get(node_address.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote()))
     targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks, layout.ranks_per_engine)
     rewards = RayRewardScorer(cfg.reward, model_path)
     learners.group.ready()

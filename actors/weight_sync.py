@@ -26,6 +26,7 @@ Transports (the only thing that differs by placement):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,11 +155,12 @@ def engine_targets(transport: Any, engines: list[Any], num_ranks: int, ranks_per
     return [list(enumerate(engines)) if r == 0 else [] for r in range(num_ranks)]
 
 
-def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, master_port: int) -> Any:
+def choose_transport(cfg: RunConfig, device_kind: str, rendezvous: Callable[[], tuple[str, int]]) -> Any:
     """The one place that maps (config, placement, device) to a transport. LoRA adapters
     (`learner.lora_sync: adapter`) always go through the object store: they are small (rank 16 on a
     7B model: ~40M parameters), and the engine writes them to a folder on its host anyway
-    (actors.vllm_generator choice 12)."""
+    (actors.vllm_generator choice 12). `rendezvous()` gives the NCCL group's (address, free port)
+    on learner rank 0's node; it is called only for NCCL (a Ray task: a worker process to start)."""
     kind = cfg.cluster.weight_sync
     if serves_adapters(cfg):
         kind = "cpu"
@@ -173,5 +175,6 @@ def choose_transport(cfg: RunConfig, device_kind: str, master_address: str, mast
         if cfg.cluster.placement != "colocated":
             raise ValueError("cluster.weight_sync='cuda_ipc' needs placement 'colocated' (one shared GPU)")
         return CudaIpcTransport(dtype=dtype)
+    master_address, master_port = rendezvous()
     return NcclTransport(dtype=dtype, master_address=master_address, master_port=master_port,
                          engine_tp=cfg.cluster.generator_tp)

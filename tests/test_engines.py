@@ -164,6 +164,25 @@ def test_which_rank_feeds_which_engine():
     assert cpu == [[(0, "e0"), (1, "e1")], []]  # rank 0 sends each bucket once to every engine
 
 
+def test_only_nccl_asks_for_a_rendezvous_address():
+    """The (address, free port) for NCCL comes from a Ray task on learner rank 0's node: a worker
+    process to start, so it is asked for only where the transport is NCCL."""
+    from actors.weight_sync import CudaIpcTransport, NcclTransport, ObjectStoreTransport, choose_transport
+
+    asked = []
+
+    def rendezvous() -> tuple[str, int]:
+        asked.append(1)
+        return "10.0.0.7", 29555
+
+    assert isinstance(choose_transport(_cfg(), "cpu", rendezvous), ObjectStoreTransport)
+    assert isinstance(choose_transport(_cfg("cluster.placement=colocated"), "cuda", rendezvous), CudaIpcTransport)
+    assert asked == []
+    nccl = choose_transport(_cfg("cluster.placement=split"), "cuda", rendezvous)
+    assert isinstance(nccl, NcclTransport) and (nccl.master_address, nccl.master_port) == ("10.0.0.7", 29555)
+    assert asked == [1]
+
+
 def test_engine_metrics():
     from actors.engine_group import engine_metrics
 

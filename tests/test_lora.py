@@ -92,8 +92,8 @@ def test_lora_runs_hold_no_reference_copy_and_adapters_take_the_object_store():
     adapter, merged = (_cfg("learner.lora_rank=8", f"learner.lora_sync={s}") for s in ("adapter", "merged"))
     assert serves_adapters(adapter) and not serves_adapters(merged)
     assert not serves_adapters(_cfg("learner.lora_rank=8", "learner.lora_sync=auto"))  # unsettled: merged
-    assert isinstance(choose_transport(adapter, "cuda", "127.0.0.1", 1), ObjectStoreTransport)
-    assert isinstance(choose_transport(merged, "cuda", "127.0.0.1", 1), CudaIpcTransport)
+    assert isinstance(choose_transport(adapter, "cuda", lambda: ("127.0.0.1", 1)), ObjectStoreTransport)
+    assert isinstance(choose_transport(merged, "cuda", lambda: ("127.0.0.1", 1)), CudaIpcTransport)
 
 
 def _unservable_models(tmp_path: Path) -> dict[str, Path]:
