@@ -405,12 +405,13 @@ class ActorGroup:
         refs = [getattr(a, method).remote(*args, **kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
         return gather(refs, self.labels(), method)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask every actor to `shutdown()` (tear down process groups, engines), then kill them all.
-        An actor still busy after `timeout_s` (blocked in a collective whose peer died) is killed
-        anyway: a teardown must never hang."""
+    def shutdown(self, timeout_s: float = 10.0, **kwargs: Any) -> None:
+        """Ask every actor to `shutdown(**kwargs)` (tear down process groups, engines), then kill
+        them all. An actor still busy after `timeout_s` (blocked in a collective whose peer died) is
+        killed anyway: a teardown must never hang."""
         try:
-            ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors), timeout=timeout_s)
+            ray.wait([a.shutdown.remote(**kwargs) for a in self.actors], num_returns=len(self.actors),
+                     timeout=timeout_s)
         finally:
             for a in self.actors:
                 ray.kill(a)

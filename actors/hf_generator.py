@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.device import detect
+from actors.worker_setup import gc_paused
 from rlhf.config import GenerationConfig
 from rlhf.types import Completion, SamplingSpec
 
@@ -40,6 +41,7 @@ _NO_NCCL = ("generation.backend=hf receives weights through the 'cpu' or 'cuda_i
 class HFGenerator:
     """`rlhf.protocols.Generator` on transformers, with VLLMGenerator's weight-update methods."""
 
+    @gc_paused()  # start-up: see actors/worker_setup.py
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int,
                  enable_sleep: bool, tensor_parallel_size: int = 1, engines_per_host: int = 1) -> None:
         """Same signature as VLLMGenerator; `cfg`, `enable_sleep`, `tensor_parallel_size` and
@@ -151,7 +153,10 @@ class HFGenerator:
         """float64 sum of every parameter, by HF name."""
         return {name: float(p.detach().double().sum()) for name, p in self.model.named_parameters()}
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, process_exits: bool = False) -> None:
+        """Free the model; nothing to do when the process is killed next (`process_exits`)."""
+        if process_exits:
+            return
         self.model = None
         gc.collect()
         self.device.empty_cache()

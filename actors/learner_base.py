@@ -69,6 +69,7 @@ from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
 from actors.hf_model import attention_kernel, export_hf, output_head, unwrapped
+from actors.worker_setup import gc_paused
 from rlhf.algo.logprobs import (
     align_next_token,
     next_token_targets,
@@ -148,15 +149,15 @@ class LearnerRank:
     """Rank bookkeeping, micro-batching, the train/log-prob loops and weight export, over the
     Sharding of `learner.backend`. `rank`/`world_size`/`master_*` come from the actor group's
     rendezvous (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it).
-    `start_after`: Ray object refs (inside a list, so Ray passes them unresolved) to wait for before
-    touching the device; the process starts and imports its backend meanwhile (colocated GPU
-    engines start first: actors/cluster.py::build_cluster)."""
+    `start_after`: Ray object refs (in a list, so Ray passes them unresolved) to wait for before
+    touching the device; the process starts and imports its backend meanwhile (colocated GPU engines
+    start first: actors/cluster.py::build_cluster). The constructor runs with the GC paused."""
 
+    @gc_paused()
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  model_cfg: ModelConfig, learner_cfg: LearnerConfig, temperature: float, with_reference: bool,
                  seed: int, driver_store: bool = False, start_after: list | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401  (imported before the wait)
-
         from actors.actor_group import load_class
 
         sharding_cls = load_class(SHARDINGS[learner_cfg.backend])  # imports torch.distributed, DeepSpeed

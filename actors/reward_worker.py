@@ -19,6 +19,7 @@ import ray
 import torch
 
 from actors.actor_group import gather
+from actors.worker_setup import gc_paused
 from rlhf.config import RewardConfig
 from rlhf.types import PromptRow
 
@@ -27,6 +28,7 @@ class RewardWorker:
     """Holds the policy's tokenizer and the process pool (time limits that bound a step, failures
     counted) for the whole run."""
 
+    @gc_paused()  # start-up: see actors/worker_setup.py
     def __init__(self, cfg: RewardConfig, tokenizer_path: str) -> None:
         from transformers import AutoTokenizer
 

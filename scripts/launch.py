@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import yaml
 
+from actors.worker_setup import gc_paused
 from rlhf.config import ConfigError, RunConfig, config_to_dict, load_config
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def cli(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
     out: `ray_session`); SIGTERM (a scheduler, `kill`, `timeout`) the same way, and 143. Tracebacks
     go to `<output_dir>/logs/driver.log`, not the terminal."""
     try:
-        cfg, prepared = checked_run(doc, default_config, algorithm, argv, prepare)
+        with gc_paused():  # start-up (actors/worker_setup.py)
+            cfg, prepared = checked_run(doc, default_config, algorithm, argv, prepare)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C) before the run started; run the command again to start it",
               file=sys.stderr)
@@ -171,7 +173,7 @@ def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] |
 
     preflight_checkpoints(cfg, prepared[0])  # the signing key; room on the disk for the checkpoints
     if cfg.learner.lora_rank:  # prepared[0]: the resolved model folder
-        from actors.vllm_generator import settle_lora_sync
+        from actors.vllm_lora import settle_lora_sync
         from rlhf.lora import check_lora
 
         check_lora(cfg, prepared[0])  # target modules; adapters need the vLLM generator

@@ -84,6 +84,7 @@ def test_driver_library_logs_go_to_the_file_and_come_back(tmp_path, capsys):
 def test_harmless_warnings_are_dropped_and_others_kept(caplog):
     (name,) = HARMLESS
     logger = logging.getLogger(name)
+    saved, logger.filters = logger.filters, []  # an engine built in this process may have added some
     with caplog.at_level(logging.WARNING, logger=name):
         silence_harmless_warnings()
         logger.warning("%s: Failed to load weights", "RotaryEmbedding")
@@ -95,7 +96,29 @@ def test_harmless_warnings_are_dropped_and_others_kept(caplog):
     assert [r.getMessage() for r in caplog.records] == ["ParallelLMHead: Failed to load weights",
                                                         "QKVParallelLinear: Failed to load weights"]
     assert len(logger.filters) == 2
-    logger.filters.clear()
+    logger.filters = saved
+
+
+def test_start_ups_run_with_the_collector_paused_and_restore_it():
+    import gc
+
+    from actors.worker_setup import gc_paused
+
+    @gc_paused()
+    def start() -> bool:
+        return gc.isenabled()
+
+    assert gc.isenabled() and start() is False and gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("a constructor that raises")
+    assert gc.isenabled()
+    gc.disable()  # paused by a caller already: left as it was
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_worker_files_are_named_after_their_actor(tmp_path):

@@ -217,7 +217,7 @@ class FakeEngine:
     def fail(self):
         raise ValueError("bad bucket")
 
-    def shutdown(self):
+    def shutdown(self, *, process_exits: bool = False):
         pass
 
 

@@ -124,7 +124,7 @@ def test_torch_cuda_only_in_the_device_module():
 def test_only_the_backend_files_import_their_engines():
     # the vLLM backend is the engine actor and what runs inside its workers
     # ... and DeepSpeed's learner, plus the set-up step that builds its CPU ops
-    owners = {"vllm": {"vllm_generator.py", "vllm_worker.py"}, "deepspeed": {"deepspeed_learner.py", "torch_extensions.py"}}
+    owners = {"vllm": {"vllm_generator.py", "vllm_lora.py", "vllm_worker.py"}, "deepspeed": {"deepspeed_learner.py", "torch_extensions.py"}}
     for engine, files in owners.items():
         users = {p.name for p in (ROOT / "actors").glob("*.py") if engine in imported_modules(p)}
         assert users <= files, (engine, users)

@@ -6,6 +6,7 @@ exact save/load), the engine serving pushed adapters, and GRPO/DPO end to end wi
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import shutil
 from pathlib import Path
@@ -109,7 +110,7 @@ def _unservable_models(tmp_path: Path) -> dict[str, Path]:
 
 def test_vllm_serving_checks(tiny_qwen2, tmp_path):
     pytest.importorskip("vllm")
-    from actors.vllm_generator import settle_lora_sync
+    from actors.vllm_lora import settle_lora_sync
 
     models = _unservable_models(tmp_path)
     adapter = _cfg("learner.lora_rank=8", "learner.lora_sync=adapter")
@@ -130,7 +131,7 @@ def test_lora_sync_auto_serves_adapters_where_vllm_can(tiny_qwen2, tmp_path, cap
     model's vocabulary is small enough for vLLM-CPU), merged elsewhere with the reason printed once,
     merged silently where nothing serves adapters (the HF generator, DPO). Explicit values stay."""
     pytest.importorskip("vllm")
-    from actors.vllm_generator import settle_lora_sync
+    from actors.vllm_lora import settle_lora_sync
 
     models = _unservable_models(tmp_path)
     assert _cfg("learner.lora_rank=8").learner.lora_sync == "auto"
@@ -330,8 +331,16 @@ def test_engine_serves_each_pushed_lora_policy(sync, tiny_qwen2):
             for i, c in enumerate(out):
                 expected = _hf_logprobs(peft, prompts[i // 2], c.token_ids)
                 torch.testing.assert_close(torch.tensor(c.logprobs), expected, rtol=0, atol=1e-4)
+        # An engine actor's teardown (killed next) removes the adapter folder, which would outlive
+        # the process, and leaves the in-process engine core to die with it.
+        folder = gen._lora_root
+        assert (folder is not None) == (sync == "adapter") and (folder is None or Path(folder).is_dir())
+        gen.shutdown(process_exits=True)
+        assert folder is None or not Path(folder).exists()
+        assert hasattr(gen, "llm")  # the engine core was left alone
     finally:
         gen.shutdown()
+        assert not hasattr(gen, "llm") and gc.get_freeze_count() == 0  # nothing left frozen
 
 
 # ---------------------------------------------------------------------- end to end (Ray + vLLM-CPU)

@@ -332,6 +332,21 @@ def test_engine_settings_reach_vllm(vllm_gen):
     assert not sched.async_scheduling  # vLLM turns it off on CPU
 
 
+def test_an_engine_start_leaves_the_collector_on_and_a_failed_one_nothing_frozen(vllm_gen, tmp_path):
+    """Choice 15: the constructor runs with the GC paused and freezes the heap before `vllm.LLM`;
+    once built the collector is on (vLLM keeps its heap frozen until its shutdown), and a start that
+    fails inside `vllm.LLM` leaves the collector on and nothing frozen."""
+    import gc
+
+    from actors.vllm_generator import VLLMGenerator
+
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"], "model_type": "nosuch"}')
+    with pytest.raises(Exception):
+        VLLMGenerator(str(tmp_path), GEN_CFG, dtype="float32", seed=0, enable_sleep=False)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
 def test_engine_settings_leave_zero_to_vllm_and_refuse_a_short_cpu_budget(tiny_qwen2):
     pytest.importorskip("vllm")
     cfg = GenerationConfig(enable_prefix_caching=False, async_scheduling=True, enforce_eager=True)
