@@ -130,6 +130,7 @@ from rlhf.config import GenerationConfig, LearnerConfig
 from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
 
+
 class VLLMGenerator:
     """`rlhf.protocols.Generator` on vLLM, plus the weight-receiving end of every WeightSync.
 
