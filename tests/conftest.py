@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel import (order_heaviest_first, pytest_configure, pytest_runtest_protocol,  # noqa: F401
+                            pytest_unconfigure, pytest_xdist_make_scheduler)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Checkpoints are signed with a per-user key (rlhf.run.signing): the tests, and the runs they start as
 # subprocesses, use one of their own instead of creating the user's ~/.config/rlhf/checkpoint.key.
@@ -81,7 +84,9 @@ def interrupted_run(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests (real models, minutes on 2 cores) run only when asked for: `-m slow`."""
+    """`slow` tests (real models, minutes on 2 cores) run only when asked for: `-m slow`. Under
+    xdist the heaviest files go first (tests/parallel.py)."""
+    order_heaviest_first(items)
     expr = config.getoption("markexpr") or ""
     if "slow" in expr and "not slow" not in expr:
         return

@@ -37,6 +37,7 @@ FAULTY = str(ROOT / "tests" / "fixtures" / "faulty_rewards.py")
 # Rewards
 
 
+@pytest.mark.alone  # a 0.5 s limit that every sample but the hanging ones must beat
 def test_injected_reward_faults_score_zero_and_are_counted_per_cause(tmp_path, monkeypatch):
     from rewards import RewardPool
 
@@ -142,6 +143,7 @@ class Sleeper:
 
 
 @pytest.mark.ray
+@pytest.mark.alone
 def test_a_straggler_that_hangs_is_named_after_the_timeout():
     import ray
     from ray import cloudpickle

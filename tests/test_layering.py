@@ -130,6 +130,7 @@ def test_only_the_backend_files_import_their_engines():
         assert users <= files, (engine, users)
 
 
+@pytest.mark.alone
 def test_import_is_cheap_and_light():
     code = ("import sys, time; t = time.perf_counter(); import rlhf, rewards; dt = time.perf_counter() - t; "
             "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'ray', 'vllm', 'deepspeed', 'transformers'}); "

@@ -15,6 +15,8 @@ from rewards import RewardLoadError, RewardPool
 
 USER = str(Path(__file__).parent / "fixtures" / "user_rewards.py")
 FAULTY = str(Path(__file__).parent / "fixtures" / "faulty_rewards.py")
+# The pool's limits are seconds: its tests count time-outs and bound wall times (tests/parallel.py).
+pytestmark = pytest.mark.alone
 
 
 def fn(name: str) -> str:

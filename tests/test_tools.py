@@ -47,6 +47,7 @@ def test_sandbox_cannot_read_an_environment_variable_of_the_run(monkeypatch):
     assert "s3cr3t-value-828" not in r.output and "HOME" in r.output
 
 
+@pytest.mark.alone
 def test_sandbox_busy_loop_is_killed_near_its_limit():
     start = time.perf_counter()
     out = python("while True:\n    pass", timeout_s=1.0)
@@ -54,6 +55,7 @@ def test_sandbox_busy_loop_is_killed_near_its_limit():
     assert time.perf_counter() - start < 20 and "[killed" in out
 
 
+@pytest.mark.alone
 def test_sandbox_sleeping_code_is_killed_at_the_wall_clock_limit():
     start = time.perf_counter()
     r = run_python("import time\ntime.sleep(60)", SandboxLimits(wall_s=1.0, cpu_s=5))
@@ -108,6 +110,7 @@ def explode(x: int) -> str:
     raise RuntimeError(f"boom {x}")
 
 
+@pytest.mark.alone
 def test_toolbox_turns_every_bad_call_into_an_error_observation():
     box = ToolBox({"calculator": calculator, "explode": explode, "hang": hang}, timeout_s=0.5,
                   max_output_chars=20)
@@ -128,6 +131,7 @@ def test_toolbox_turns_every_bad_call_into_an_error_observation():
     assert long.text.startswith(str(2**200)[:20]) and "truncated" in long.text
 
 
+@pytest.mark.alone
 def test_python_tool_gets_the_configured_time_limit():
     box = ToolBox({"python": python}, timeout_s=1.0)
     start = time.perf_counter()
