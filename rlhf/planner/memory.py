@@ -23,16 +23,20 @@ Choices:
    - A reference model (`rlhf.rules.holds_reference_model`: DPO without `precompute_ref` or SimPO,
      GRPO with `kl_coef > 0`, never with LoRA) is
      another sharded copy: fp32 under FSDP2, bf16 ZeRO-3 under DeepSpeed.
-   - Activations per token per decoder layer: b * (13h + 4f + 2a) bytes (h hidden, f MLP width,
+   - Activations per token per decoder layer: b * (11h + 4f + 2a) bytes (h hidden, f MLP width,
      a heads). The textbook 34h + 5as (Korthikanti et al. 2022) is for a 4h GELU MLP and eager
      attention; with SDPA/flash the s^2 term is gone (only the output and its log-sum-exp are
      saved) and the SwiGLU MLP saves gate, up, act and product (4f); HF's fp32 RMSNorm upcasts are
-     in the h term. 13h fits three measured learner peaks on an H100 within 10%: Qwen2.5-1.5B at
-     micro-batch 16 rows, about 4.5k tokens (40.3 GiB, benchmarks/README.md grpo-gpu-scale: 38.6
-     predicted), and SmolLM2-135M at 49,152-token micro-batches of full-length rows (the GPU suite,
-     tests/gpu/test_grpo_gpu.py: FSDP2 39.7 GiB, 40.0 predicted; ZeRO-2 with LoRA 35.3, 38.3). An
-     earlier 22h, fitted to the 1.5B point alone, over-predicted the suite's large micro-batches by
-     37-49%.
+     in the h term. 11h fits nine measured learner peaks within 8% (measured / predicted):
+     Qwen2.5-1.5B on an H100 at micro-batch 16 rows, about 4.5k tokens (40.3 GiB,
+     benchmarks/README.md grpo-gpu-scale: 1.06); SmolLM2-135M in the GPU suite's planned runs of
+     full-length rows (tests/gpu/test_grpo_gpu.py, benchmarks/results/gpu-acceptance.jsonl) at
+     49,152 tokens on an H100 (FSDP2 1.08, ZeRO-2 with LoRA 1.00), at 65,536 on an H100 (FSDP2 1.07,
+     ZeRO-2 LoRA 1.00, ZeRO-3 LoRA 1.03) and at 131,072 on an H200 (0.99, 0.92, 0.94). The 13h
+     used before fitted the first three but over-predicted the H200's by 9-15% (2026-11-26); LoRA
+     runs save a little less than full fine-tuning (frozen weights), one coefficient for both
+     splits the difference. An earlier 22h, fitted to the 1.5B point alone, over-predicted the
+     suite's large micro-batches by 37-49%.
      With activation checkpointing only each layer's input stays (b*h per token per layer) plus
      one layer's full set during its recomputation.
    - Logits: with `fused_head` one chunk of 1024 tokens x vocab (bf16 logits, their fp32 copy and
@@ -95,7 +99,7 @@ from rlhf.planner.flops import train_flops_per_token
 from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
 from rlhf.rules import engine_count, holds_reference_model, learner_state, run_gpus
 
-ACT_HIDDEN, ACT_MLP, ACT_HEADS = 13, 4, 2  # activation elements per token per layer: 13h + 4f + 2a
+ACT_HIDDEN, ACT_MLP, ACT_HEADS = 11, 4, 2  # activation elements per token per layer: 11h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
