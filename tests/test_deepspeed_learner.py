@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import shard_for_rank
 from rlhf.types import PreferenceBatch, TrainBatch
+from tests.test_fsdp2_learner import rendezvous_store
 
 # warmup_steps=3: steps run at lr/3, 2lr/3, lr, so a checkpoint that loses the scheduler's position
 # changes the second step. max_grad_norm small enough that clipping is active. Adam's first update is
@@ -72,12 +72,6 @@ def _logprobs(model, batch) -> torch.Tensor:
     return token_logprobs(logits.float(), batch.input_ids, batch.loss_mask)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------ the learner side (2 processes)
 
 
@@ -87,7 +81,7 @@ def _make_learner(backend: str, rank: int, world: int, port: int, model_path: st
     cfg = dataclasses.replace(LEARNER, num_ranks=world, **BACKENDS[backend])
     return LearnerRank(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
                model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0,
-               with_reference=with_reference, seed=0)
+               with_reference=with_reference, seed=0, driver_store=True)
 
 
 def _weights(learner, keep: bool | None = None) -> dict[str, torch.Tensor]:
@@ -175,8 +169,8 @@ def run(request, setup, tiny_qwen2, tmp_path_factory):
     """Both ranks' results of one backend (one spawn per backend, shared by the tests below)."""
     out = tmp_path_factory.mktemp(request.param)
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, request.param, str(tiny_qwen2), setup["batches"],
+    store = rendezvous_store(2)
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, store.port, request.param, str(tiny_qwen2), setup["batches"],
                                                   str(out))) for r in range(2)]
     for p in procs:
         p.start()

@@ -5,7 +5,6 @@ No Ray here: two processes from torch.multiprocessing, so a failure points at th
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 
 import pytest
@@ -33,17 +32,21 @@ def make_batch(vocab: int, seed: int = 0) -> TrainBatch:
                       advantages=torch.randn(len(lengths), generator=g))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(world: int):
+    """A TCPStore served by this process on a port the kernel picked while binding; the ranks join
+    it as clients (`LearnerRank(driver_store=True)`). Not a free port picked, closed and handed to
+    rank 0: another process (the other test worker's Ray, say) can take it in between."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False, use_libuv=True)
 
 
 def spawn_ranks(target, *args, world: int = 2) -> None:
-    """Run `target(rank, world, port, *args)` in `world` spawned processes; all must exit 0."""
+    """Run `target(rank, world, port, *args)` in `world` spawned processes, `port` the store they
+    join (`rendezvous_store`); all must exit 0."""
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    store = rendezvous_store(world)
+    procs = [ctx.Process(target=target, args=(r, world, store.port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -58,6 +61,7 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBa
     learner = LearnerRank(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
         model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=False, seed=0,
+        driver_store=True,
     )
     shard = shard_for_rank(batch, rank, world)
     lp = learner.logprobs(shard)
@@ -174,7 +178,7 @@ def _dpo_rank_main(rank: int, world: int, port: int, model_path: str, batch: Pre
     learner = LearnerRank(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
         model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=True,
-        seed=0,
+        seed=0, driver_store=True,
     )
     shard = shard_for_rank(batch, rank, world)
     shard = _with_reference(shard, learner.logprobs(shard, reference=True))

@@ -186,7 +186,7 @@ def _learner(backend: str, rank: int, world: int, port: int, model_path: str, cf
 
     return LearnerRank(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
                model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0,
-               with_reference=with_reference, seed=0)
+               with_reference=with_reference, seed=0, driver_store=True)
 
 
 def _raw(learner) -> dict[str, torch.Tensor]:

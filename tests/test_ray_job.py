@@ -27,7 +27,9 @@ from rlhf.run.checkpoint import MANIFEST, checkpoint_root
 from rlhf.run.metrics import read_metrics
 from tests.test_listening import is_loopback, listeners
 
-pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+# alone: its Ray heads take ports that `_free_port` found free a moment before (`ray start` needs the
+# numbers up front); another test worker starting Ray clusters beside it could take one in between.
+pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.alone]
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
