@@ -57,8 +57,9 @@ else
     "${pip[@]}" -r requirements/vllm.txt -c "$pin_constraints"
   fi
   "${pip[@]}" --no-deps --no-build-isolation -e .
-  # A few packages ship files that are not Python 3 (test data): pip skips those, and so does this.
-  "$VENV/bin/python" -m compileall -q -j 0 "$VENV"/lib/python3*/site-packages > /dev/null || true
+  # A few packages ship files that are not Python 3 (test data) or that warn as they compile: pip
+  # skips and hushes those, and so does this.
+  "$VENV/bin/python" -m compileall -q -j 0 "$VENV"/lib/python3*/site-packages > /dev/null 2>&1 || true
   echo "$stamp_now" > "$stamp_file"
 fi
 
