@@ -93,8 +93,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     class SharedRunScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = super()._split_scope(nodeid)
-            return SAME_WORKER.get(file, file)
+            return scope_of(nodeid)
 
     config.option.loadscopereorder = False
     return SharedRunScheduling(config, log)
@@ -107,13 +106,14 @@ def order_heaviest_first(items: list[pytest.Item]) -> None:
         return
     cost: dict[str, float] = defaultdict(float)
     for file in dict.fromkeys(item.nodeid.split("::", 1)[0] for item in items):
-        cost[SAME_WORKER.get(file, file)] += SECONDS.get(file, 1)
-    position = {scope: i for i, scope in enumerate(dict.fromkeys(scope_of(item) for item in items))}
-    items.sort(key=lambda item: (-cost[scope_of(item)], position[scope_of(item)]))
+        cost[scope_of(file)] += SECONDS.get(file, 1)
+    position = {scope: i for i, scope in enumerate(dict.fromkeys(scope_of(item.nodeid) for item in items))}
+    items.sort(key=lambda item: (-cost[scope_of(item.nodeid)], position[scope_of(item.nodeid)]))
 
 
-def scope_of(item: pytest.Item) -> str:
-    file = item.nodeid.split("::", 1)[0]
+def scope_of(nodeid: str) -> str:
+    """The unit a worker takes whole: a test's file, or the file it shares a run with (rule 1)."""
+    file = nodeid.split("::", 1)[0]
     return SAME_WORKER.get(file, file)
 
 

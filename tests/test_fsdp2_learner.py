@@ -239,11 +239,9 @@ def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type
 def _one_rank(model_path: str, objective_kl: float):
     """One FSDP2 rank with a reference model in this process (its own one-rank group on a kernel-picked
     port), and the objective with a KL term."""
-    import torch.distributed as dist
-
     from actors.learner_base import LearnerRank
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    store = rendezvous_store(1)
     learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                            model_path=model_path, model_cfg=ModelConfig(dtype="float32"), learner_cfg=LEARNER,
                            temperature=1.0, with_reference=True, seed=0, driver_store=True)

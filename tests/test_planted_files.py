@@ -13,6 +13,7 @@ import torch
 from rlhf.config import ConfigError, LearnerConfig, ModelConfig, RunConfig, load_config
 from rlhf.data.preferences import PreferenceData
 from tests.test_checkpoint_safety import Bomb
+from tests.test_fsdp2_learner import rendezvous_store
 
 
 def _dpo_config(out: Path) -> RunConfig:
@@ -46,7 +47,7 @@ def test_a_planted_scheduler_state_never_runs(tiny_qwen2, tmp_path):
 
     from actors.learner_base import LearnerRank
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    store = rendezvous_store(1)
     learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                           model_path=str(tiny_qwen2), model_cfg=ModelConfig(dtype="float32"),
                           learner_cfg=LearnerConfig(backend="fsdp2", micro_batch_size=4), temperature=1.0,
