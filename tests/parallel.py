@@ -12,9 +12,10 @@ imported by tests/conftest.py; without xdist none of this does anything):
 2. The files that take longest start first (`SECONDS`), so the run does not end with one long
    file on one worker while the other has nothing left.
 3. A test marked `alone` asserts something about wall time (a limit in seconds that a sample or a
-   tool must beat, a step that overlaps generation with training) or hands out ports it found free
-   (tests/test_ray_job.py's `ray start`): nothing runs beside it. Learner ranks spawned by tests
-   join a store the test serves instead (`tests/test_fsdp2_learner.py::rendezvous_store`). Every
+   tool must beat, a step that overlaps generation with training): nothing runs beside it. No test
+   hands out a port it found free in the range every `bind(0)` draws from: learner ranks spawned by
+   tests join a store the test serves (`tests/test_fsdp2_learner.py::rendezvous_store`), and
+   tests/test_ray_job.py's `ray start` takes ports below that range (`QUIET_PORTS`). Every
    test takes a shared lock on one file for its whole protocol (fixtures included) and an `alone`
    one an exclusive lock; a second file, the gate, stops new shared takers while an `alone` test
    waits, so it cannot be starved.

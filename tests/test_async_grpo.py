@@ -231,7 +231,7 @@ def async_run(tmp_path_factory) -> Path:
 
 @pytest.mark.e2e
 @pytest.mark.ray
-@pytest.mark.alone  # the overlap needs both cores; and the run it reads starts here
+@pytest.mark.alone  # the overlap needs both cores; the run it reads starts here (the file's first e2e test)
 def test_samples_lag_one_version_and_generation_overlaps_training(async_run):
     records = read_metrics(async_run / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
@@ -250,7 +250,6 @@ def test_samples_lag_one_version_and_generation_overlaps_training(async_run):
 
 @pytest.mark.e2e
 @pytest.mark.ray
-@pytest.mark.alone  # whichever test of the two comes first starts the run the overlap is read from
 def test_a_resumed_async_run_repeats_the_uninterrupted_one(async_run, tmp_path):
     """Checkpoint 2 holds the finished generation of step 2 (made with the weights of step 1,
     which no checkpoint keeps): the resumed run trains on exactly those samples."""

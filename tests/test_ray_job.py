@@ -27,9 +27,7 @@ from rlhf.run.checkpoint import MANIFEST, checkpoint_root
 from rlhf.run.metrics import read_metrics
 from tests.test_listening import is_loopback, listeners
 
-# alone: its Ray heads take ports that `_free_port` found free a moment before (`ray start` needs the
-# numbers up front); another test worker starting Ray clusters beside it could take one in between.
-pytestmark = [pytest.mark.e2e, pytest.mark.ray, pytest.mark.alone]
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -39,10 +37,31 @@ LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 address that routes outwards (and then listens on every interface) unless multi-node is off."""
 
 
+QUIET_PORTS = range(20000, 32768)
+"""Where `ray start` gets the port numbers it needs up front: below the kernel's ephemeral range
+(`ip_local_port_range`, 32768-60999 by default), where every `bind(0)` lands and where Ray picks
+its own random ports (at or above one such port), and above Ray's worker ports (10002-19999). So
+no Ray cluster or learner group that a test beside this file starts takes one of them between the
+check here and `ray start`."""
+_handed_out: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of QUIET_PORTS that is free now and that this module has not handed out before."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in QUIET_PORTS:
+        if port >= low:
+            break
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {QUIET_PORTS} below the ephemeral range ({low})")
 
 
 def _head_pids(temp_dir: str, gcs_port: int | None = None) -> set[int]:

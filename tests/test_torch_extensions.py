@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from actors.torch_extensions import CPU_OPS, build_cpu_ops, build_root, clear_stale_build_locks
 
 
@@ -52,3 +54,15 @@ def test_setup_builds_only_the_ops_a_host_lacks(tmp_path):
         (tmp_path / op).mkdir()
         (tmp_path / op / f"{op}.so").write_bytes(b"")
     assert build_cpu_ops(tmp_path) == []
+
+
+def test_a_failed_op_build_fails_setup_naming_the_op(tmp_path, monkeypatch):
+    """Each op builds in its own process (their compiles overlap); one that fails makes the build,
+    and so scripts/setup.sh, fail with the op's name, after the others have finished."""
+    import actors.torch_extensions as ext
+
+    monkeypatch.setattr(ext, "CPU_OPS", {"no_such_op": "NoSuchBuilder", "cpu_adam": "CPUAdamBuilder"})
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")  # built already: not rebuilt
+    with pytest.raises(RuntimeError, match=r"^building DeepSpeed's no_such_op failed"):
+        ext.build_cpu_ops(tmp_path)
