@@ -27,6 +27,15 @@ if [[ -f $stamp_file && "$(cat "$stamp_file")" == "$stamp_now" ]]; then
   echo "setup: .venv is up to date ($RLHF_DEVICE stack)"
 else
   echo "setup: installing the $RLHF_DEVICE stack into .venv (a few minutes the first time)"
+  # A first install writes ~7.5 GB (the stack, its byte code, the model): say so up front rather
+  # than stop half-way on a full disk.
+  if ! compgen -G "$VENV/lib/python3*/site-packages/torch" > /dev/null; then
+    free_gb=$(df -Pk "$ROOT" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if (( free_gb < 8 )); then
+      echo "setup: ${free_gb} GB free on the disk of $ROOT; a first install needs ~8 GB" >&2
+      exit 1
+    fi
+  fi
   [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
   # uv installs the stack: ~30 s here (2 cores), where pip took ~2 min for the same wheels, one
   # download and unpacking after the other. pip only installs uv. A machine-wide pip config may

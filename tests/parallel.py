@@ -3,9 +3,10 @@
 Most of the suite's time is ~50 launches of the real stack. Their start-ups are CPU-bound, but
 their steps leave a core idle at times (the driver waits on the engine, a rank on its peer,
 everything on the reward worker), and so do the unit tests: a second file's work fills that. On
-the 2-core CI machine (2026-11-26): 22 min 49 s one file at a time, 19-21 min two at a time; each
-file then takes 1.6-2x as long. Three rules keep it free of timing luck and of doubled work (hooks
-imported by tests/conftest.py; without xdist none of this does anything):
+the 2-core CI machine (2026-11-26): 22 min 49 s one file at a time, 19-21 min two at a time, 18.5
+once tests/test_ray_job.py no longer ran alone; each file then takes 1.6-2x as long. Three rules
+keep it free of timing luck and of doubled work (hooks imported by tests/conftest.py; without
+xdist none of this does anything):
 
 1. Files that read one session-scoped run (`quiet_run`, `interrupted_run` in conftest.py) go to the
    same worker (`SAME_WORKER`), so the run happens once.
