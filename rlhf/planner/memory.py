@@ -32,13 +32,18 @@ Choices:
      benchmarks/README.md grpo-gpu-scale: 1.06); SmolLM2-135M in the GPU suite's planned runs of
      full-length rows (tests/gpu/test_grpo_gpu.py, benchmarks/results/gpu-acceptance.jsonl) at
      49,152 tokens on an H100 (FSDP2 1.08, ZeRO-2 with LoRA 1.00), at 65,536 on an H100 (FSDP2 1.07,
-     ZeRO-2 LoRA 1.00, ZeRO-3 LoRA 1.03) and at 131,072 on an H200 (0.99, 0.92, 0.94). The 13h
+     ZeRO-2 LoRA 1.00, ZeRO-3 LoRA 1.00; split over two H100s, tests/gpu/test_split_gpu.py: FSDP2
+     1.07, ZeRO-3 1.08) and at 131,072 on an H200 (0.99, 0.92, 0.92). The 13h
      used before fitted the first three but over-predicted the H200's by 9-15% (2026-11-26); LoRA
      runs save a little less than full fine-tuning (frozen weights), one coefficient for both
      splits the difference. An earlier 22h, fitted to the 1.5B point alone, over-predicted the
      suite's large micro-batches by 37-49%.
      With activation checkpointing only each layer's input stays (b*h per token per layer) plus
      one layer's full set during its recomputation.
+   - ZeRO-3's own buffers: a gradient bucket of `reduce_bucket_size` (5e8) bf16 elements, 0.93 GiB
+     allocated at start-up whatever the model's size, plus parameter-fetch buffers: 1.6 GiB, fitted
+     to the GPU suite (ZeRO-3 over ZeRO-2, both LoRA: +1.53 GiB measured on an H100, +1.69 on an
+     H200; full ZeRO-3 over FSDP2 on an H100: +2.55, where the other terms differ by 0.25).
    - Logits: with `fused_head` one chunk of 1024 tokens x vocab (bf16 logits, their fp32 copy and
      gradient, 10 bytes an entry); without it [tokens x vocab] in bf16 plus its gradient (2b bytes
      an entry: the 2.7 GiB that the fused head saved at micro-batch 16, benchmarks/README.md).
@@ -101,6 +106,7 @@ from rlhf.rules import engine_count, holds_reference_model, learner_state, run_g
 
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 11, 4, 2  # activation elements per token per layer: 11h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
+ZERO3_BUFFERS_GIB = 1.6  # ZeRO-3's gradient bucket and fetch buffers (choice 1)
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
 CONTEXT_GIB = 0.75  # CUDA context + NCCL buffers per process on a GPU
@@ -123,6 +129,8 @@ class Breakdown:
     reference: float
     activations: float
     logits: float
+    buffers: float
+    """The backend's own buffers (ZeRO-3)."""
     learner_peak: float
     """Everything above: the learner's allocated peak (what `memory/learner_peak_gib` measures)."""
     learner_resident: float
@@ -222,8 +230,9 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     activations = (b * h * tokens * shape.num_hidden_layers + per_layer if l.gradient_checkpointing
                    else per_layer * shape.num_hidden_layers)
     logits = (10 * min(tokens, HEAD_CHUNK_TOKENS) if l.fused_head else 2 * b * tokens) * shape.vocab_size
-    peak = weights + masters + grads + optimizer + reference + activations + logits
-    resident = module + masters + grads + optimizer + reference
+    buffers = ZERO3_BUFFERS_GIB * GIB if stage3 and not fsdp else 0
+    peak = weights + masters + grads + optimizer + reference + activations + logits + buffers
+    resident = module + masters + grads + optimizer + reference + buffers
     e, tp = engines(cfg), cfg.cluster.generator_tp
     vllm_weights = b * p / tp if e else 0
     max_seqs = cfg.generation.max_num_seqs or VLLM_DEFAULT_MAX_SEQS
@@ -242,7 +251,7 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     need = max(peak + asleep, resident + vllm_budget if colocated else 0) + contexts + margin
     g = 1 / GIB
     return Breakdown(weights * g, masters * g, grads * g, optimizer * g, reference * g, activations * g,
-                     logits * g, peak * g, resident * g, vllm_weights * g, vllm_kv * g, kv_needed * g,
+                     logits * g, buffers * g, peak * g, resident * g, vllm_weights * g, vllm_kv * g, kv_needed * g,
                      asleep * g, contexts * g, margin * g, need * g, tokens)
 
 
@@ -433,7 +442,8 @@ _LABELS = {
     "weights": "weights (compute dtype: resident + gathered)", "masters": "fp32 master weights",
     "gradients": "gradients (fp32)", "optimizer": "optimizer state (Adam, fp32)",
     "reference": "reference model",
-    "activations": "activations", "logits": "logits", "learner_peak": "= learner peak",
+    "activations": "activations", "logits": "logits", "buffers": "backend buffers (ZeRO-3)",
+    "learner_peak": "= learner peak",
     "learner_resident": "learner state resident while vLLM generates", "vllm_weights": "vLLM weights",
     "vllm_kv": "vLLM KV cache (its share)", "vllm_kv_needed": "vLLM KV cache the step's sequences need",
     "vllm_asleep": "vLLM asleep (kept while the learner trains)", "contexts": "CUDA contexts",

@@ -3,7 +3,7 @@ test asserts on, and the per-test results file that tests/gpu/report.py turns in
 table and the JSON record.
 
 Collected only where CUDA is (tests/conftest.py). Tests that need more GPUs than the machine has
-are skipped with the reason (`needs_gpus`).
+are skipped with the reason (`tests/gpu/suite.py::needs_gpus`).
 """
 
 from __future__ import annotations
@@ -13,15 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 RESULTS_ENV = "RLHF_GPU_RESULTS"  # where pytest_sessionfinish writes the per-test results (JSON)
 _results: dict[str, dict] = {}
-
-
-def needs_gpus(n: int) -> pytest.MarkDecorator:
-    have = torch.cuda.device_count()
-    return pytest.mark.skipif(have < n, reason=f"needs {n} GPUs, this machine has {have}")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from benchmarks.plan_check import sampled_gpus
@@ -35,8 +36,14 @@ class Run:
     records: list[dict[str, Any]]
     stdout: str
     seconds: float
-    gpu_peak_gib: float
-    """nvidia-smi's memory.used peak of GPU 0 over the run (every process on it), sampled 5x a second."""
+    gpu_peaks_gib: dict[str, float]
+    """nvidia-smi's memory.used peak of each GPU (index -> GiB) over the run, every process on it,
+    sampled 5x a second."""
+
+    @property
+    def gpu_peak_gib(self) -> float:
+        """The highest of `gpu_peaks_gib`."""
+        return max(self.gpu_peaks_gib.values(), default=0.0)
 
     def series(self, key: str) -> list[float]:
         return [r[key] for r in self.records if key in r]
@@ -48,6 +55,12 @@ class Run:
     def startup(self) -> str:
         """The run's `start-up:` line without its prefix (where launch time went), "" if missing."""
         return (self.first_line("start-up:") or "").removeprefix("start-up: ")
+
+
+def needs_gpus(n: int) -> pytest.MarkDecorator:
+    """Skip a test where this machine has fewer than `n` GPUs, saying so."""
+    have = torch.cuda.device_count()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} GPUs, this machine has {have}")
 
 
 def device_gib() -> float:
@@ -67,7 +80,7 @@ def train(script: str, recipe: str, out: Path, *overrides: str, timeout: float =
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
     metrics = out / "metrics.jsonl"
     records = read_metrics(metrics) if metrics.exists() else []
-    return Run(out, records, proc.stdout, seconds, max((p for _, p in peaks.values()), default=0.0))
+    return Run(out, records, proc.stdout, seconds, {gpu: peak for gpu, (_, peak) in peaks.items()})
 
 
 def resume_from(run: Run, step: int, dest: Path, script: str, recipe: str, *overrides: str) -> Run:
