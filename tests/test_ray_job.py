@@ -164,6 +164,18 @@ def submit(ray_head, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_ray_start_ports_come_from_below_the_ephemeral_range_and_never_twice():
+    """What lets this file run beside another test worker: no port handed to `ray start` can be
+    one that a `bind(0)` elsewhere (another worker's Ray, its learners) is given meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [_free_port() for _ in range(20)]
+    assert len(set(ports)) == 20
+    assert all(p in QUIET_PORTS and p < low for p in ports), (ports, low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        assert s.getsockname()[1] >= low  # where the kernel's picks land instead
+
+
 def test_ray_job_submit_runs_the_tiny_dpo_recipe(ray_head, tmp_path):
     out = tmp_path / "dpo_job_out"
     submit(ray_head, "configs/dpo_tiny_cpu.yaml", "dpo.max_steps=2", "save_every=0", "eval_every=0",
