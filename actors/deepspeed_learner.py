@@ -65,7 +65,7 @@ def _hidden(module: str) -> Iterator[None]:
 with _hidden("mlflow"):
     import deepspeed
 
-from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
+from actors.hf_model import learner_model
 from actors.learner_base import RankContext, make_scheduler
 from actors.torch_extensions import clear_stale_build_locks
 from rlhf.config import LearnerConfig, ModelConfig
@@ -88,11 +88,7 @@ class DeepSpeedSharding:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = train_config(cfg, ctx.model_cfg, ctx.world_size, pin_memory=ctx.device.kind == "cuda")
         clear_stale_build_locks()  # DeepSpeed builds its ops (CPU Adam, shm collectives) just in time
-        model = load_hf_model(model_path, gradient_checkpointing=cfg.gradient_checkpointing,
-                              fused_head=cfg.fused_head, attention=attention_kernel(cfg, ctx.device.kind))
-        self.lora_targets: list[str] = []
-        if cfg.lora_rank > 0:  # choice 6
-            model, self.lora_targets = wrap_lora(model, cfg)
+        model, self.lora_targets = learner_model(model_path, cfg, ctx.device.kind, trainable=True)  # choice 6
         trainable = [p for p in model.parameters() if p.requires_grad]
         if cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -109,8 +105,7 @@ class DeepSpeedSharding:
 
     def _reference(self, model_path: str, train_cfg: dict[str, Any]) -> torch.nn.Module:
         """The frozen reference as a ZeRO-3 inference engine: parameters sharded, no optimizer."""
-        model = load_hf_model(model_path, gradient_checkpointing=False, fused_head=self.cfg.fused_head,
-                              attention=attention_kernel(self.cfg, self.ctx.device.kind))
+        model, _ = learner_model(model_path, self.cfg, self.ctx.device.kind, trainable=False)
         model.requires_grad_(False)
         zero: dict[str, Any] = {"stage": 3}
         if "offload_param" in train_cfg["zero_optimization"]:
@@ -120,6 +115,9 @@ class DeepSpeedSharding:
         engine, *_ = deepspeed.initialize(model=model, config={**config, "zero_optimization": zero})
         engine.eval()
         return engine
+
+    def micro_batch(self, last: bool) -> None:
+        """Nothing: the engine handles its accumulation boundary in `optimizer_step`."""
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)

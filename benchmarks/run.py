@@ -1,4 +1,4 @@
-"""Run our system and TRL 1.16 on identical work, one after the other, and compare them.
+"""Run our system and TRL 1.16 on identical work and compare them.
 
     .venv/bin/python benchmarks/run.py --workload grpo-cpu            # ours, TRL, TRL + vLLM colocate
     .venv/bin/python benchmarks/run.py --workload dpo-cpu
@@ -6,25 +6,32 @@
     .venv/bin/python benchmarks/run.py --workload grpo-gpu --tiny     # the same code path, tiny, on CPU
     .venv/bin/python benchmarks/run.py --workload grpo-cpu --only ours --only trl --steps 3
     .venv/bin/python benchmarks/run.py --workload grpo-cpu --profile  # torch.profiler traces, no timings
+    .venv/bin/python benchmarks/run.py --workload grpo-gpu --parallel --tuned   # 2+ GPUs: sides side by side
 
-Every side is its own process, started in turn (peak memory is per side; nothing is shared):
+Every side is its own process tree with its own local Ray (peak memory is per side; nothing is shared):
   ours      scripts/train_grpo.py / scripts/train_dpo.py with the workload's overrides
   trl       benchmarks/trl_grpo.py (transformers generation) / benchmarks/trl_dpo.py
   trl-vllm  benchmarks/trl_grpo.py --generation vllm (TRL's vLLM colocate mode)
   ours-gen  benchmarks/gen_standalone.py: our VLLMGenerator alone on step 0's batch (GPU workload)
-All of them resolve the same RunConfig from the workload (benchmarks/workloads.py).
+  ours-tuned, <trl side>-tuned  (--tuned) the tuned row: ours under `memory.plan=auto`, TRL at the
+            largest per-device batch that fits, same samples per step (workloads.trl_batch_candidates)
+All of them resolve the same RunConfig from the workload (benchmarks/workloads.py). On a GPU
+workload each side is pinned to its own GPU(s) (CUDA_VISIBLE_DEVICES): in turn, or with
+`--parallel` on a host with two or more GPUs, as many at a time as have disjoint GPUs (`waves`).
 
 Output: a markdown table (median steady-state step time and phases, tokens/s, weight sync, peak
 memory, reward per step, and ours/TRL for each), and one JSON line appended to
 `benchmarks/results/<workload>.jsonl` with the machine, versions, git commit, the spec and every
 side's per-step records. Peak memory is sampled once a second as the summed PSS (proportional set
 size, so shared pages count once) of the side's whole process tree: Ray's daemons and actors for
-ours, the one process for TRL; plus nvidia-smi's memory.used on GPU machines.
+ours, the one process for TRL; plus nvidia-smi's memory.used of each GPU the side was given (the
+busiest one is the headline), never summed over the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -33,7 +40,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -42,20 +52,45 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 from benchmarks.summary import (  # noqa: E402
+    TUNED,
     build_record,
-    format_table,
+    latest_side_records,
+    merge_peaks,
     ours_dpo_steps,
     ours_grpo_steps,
+    out_of_memory,
+    parse_gpu_query,
+    report_text,
+    waves,
 )
-from benchmarks.workloads import REPO_MODELS, WORKLOADS, Workload, our_overrides, ours_supports_ignore_eos  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    REPO_MODELS,
+    WORKLOADS,
+    Workload,
+    gpus_needed,
+    ours_supports_ignore_eos,
+    resolved_memory_keys,
+    side_plan,
+    step_prompt_tokens,
+    trl_batch_candidates,
+    trl_tuned_overrides,
+)
 
 PYTHON = sys.executable
 BENCH_ENV = {
     "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "RAY_USAGE_STATS_ENABLED": "0", "DO_NOT_TRACK": "1",
     # Our scripts start their own local Ray: never join a cluster someone else started on this machine.
+    # Each side's Ray gets a fresh folder under RAY_TMPDIR (`run_side`); its ports are the kernel's picks.
     "RAY_ADDRESS": "local", "RAY_TMPDIR": "/tmp/rbench",
+    # CUDA numbers the GPUs as nvidia-smi does, so CUDA_VISIBLE_DEVICES and the samples name the same GPU.
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
 }
+SIDES = ("ours", "trl", "trl-vllm", "ours-gen", f"ours{TUNED}", f"trl{TUNED}", f"trl-vllm{TUNED}")
+_RUNNING: set[subprocess.Popen] = set()
+"""Side processes running now (stopped with their process groups if the runner is interrupted)."""
+_STEPS_LOCK = threading.Lock()
+"""Held while our metrics become step records: transformers' lazy imports are not thread-safe."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -63,13 +98,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     p.add_argument("--steps", type=int, help="optimizer steps (default: the workload's)")
     p.add_argument("--tiny", action="store_true", help="tiny random model, few prompts and tokens (checks the path)")
-    p.add_argument("--only", action="append", choices=["ours", "trl", "trl-vllm", "ours-gen"],
+    p.add_argument("--only", action="append", choices=SIDES,
                    help="run only these sides (repeatable; default: all of the workload's)")
+    p.add_argument("--parallel", action="store_true",
+                   help="GPU workload on a host with >= 2 GPUs: run sides at the same time, each on its own GPU(s) "
+                        "(else in turn, said in one line)")
+    p.add_argument("--tuned", action="store_true",
+                   help=f"also the tuned row: ours{TUNED} (memory.plan=auto) and each TRL side at the largest "
+                        "per-device batch that fits, same samples per step")
+    p.add_argument("--trl-batch", type=int, default=0,
+                   help="per-device batch of the tuned TRL side (default: by the GPU's memory, halved on OOM)")
     p.add_argument("--profile", action="store_true",
                    help="write torch.profiler traces (ours: one learner step and one generation step; TRL: "
                         "step 1) instead of timing; nothing is appended to results")
     p.add_argument("--recipe", help="our recipe to use instead of the workload's")
     p.add_argument("--model", help="model path to use instead of the workload's (e.g. a prebuilt GPU model)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more override of our recipe (repeatable), e.g. --set learner.liger=true")
     p.add_argument("--threads", type=int, help="torch threads of every process of every side (default: each system's own)")
     p.add_argument("--workdir", default="outputs/bench", help="run folders and logs (default: %(default)s)")
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
@@ -91,12 +136,16 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
         w = replace(w, recipe=args.recipe)
     if args.model:
         w = replace(w, model=args.model)
+    if args.set:
+        w = replace(w, extra=(*w.extra, *args.set))
     return w
 
 
-def sides_of(w: Workload, only: list[str] | None) -> list[str]:
-    sides = ["ours", *w.trl_sides, *(["ours-gen"] if w.standalone_generation else [])]
-    return [s for s in sides if not only or s in only]
+def sides_of(w: Workload, only: list[str] | None, tuned: bool = False) -> list[str]:
+    """Ours and the TRL sides, the tuned row's (with `tuned`), ours-gen; `only` picks among them all."""
+    tuned_sides = [f"{s}{TUNED}" for s in ("ours", *w.trl_sides)]
+    sides = ["ours", *w.trl_sides, *tuned_sides, *(["ours-gen"] if w.standalone_generation else [])]
+    return [s for s in sides if (s in only if only else tuned or s not in tuned_sides)]
 
 
 def prepare_model(w: Workload, workdir: Path) -> str | None:
@@ -130,53 +179,90 @@ def tree_pss_gib(pid: int) -> float:
     return total / 2**30
 
 
-def gpu_used_gib() -> float | None:
-    """memory.used summed over the machine's GPUs (nvidia-smi), None without nvidia-smi."""
+def gpu_query(field: str) -> dict[str, float]:
+    """nvidia-smi's `field` (memory.used, memory.total) of every GPU of the host, index -> GiB; {}
+    without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
-        return None
+        return {}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu=index,{field}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout
-        return sum(float(x) for x in out.split()) / 1024
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_gpu_query(out)
+
+
+def visible_gpus(env: dict[str, str]) -> list[str]:
+    """The GPUs a process with `env` may use: CUDA_VISIBLE_DEVICES's entries where it is set, else
+    every GPU nvidia-smi lists; [] without GPUs."""
+    if env.get("CUDA_VISIBLE_DEVICES") is not None:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    return sorted(gpu_query("memory.total"), key=int)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file, [] if it is absent; a line still being written is skipped."""
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def first_step_start(metrics: Path) -> float | None:
+    """When step 0 started: our metrics.jsonl's write time less the step seconds it holds."""
+    timed = [r for r in read_jsonl(metrics) if "timing/step_s" in r and r["step"] >= 0]
+    return metrics.stat().st_mtime - sum(r["timing/step_s"] for r in timed) if timed else None
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM to the process group this runner made for a side, SIGKILL if it outlives `grace_s`."""
+    for sig, wait_s in ((15, grace_s), (9, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait_s)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | None, timeout: float,
            poll_s: float = 1.0) -> dict[str, Any]:
-    """Run `cmd` to completion, sampling its process tree's memory. With `metrics` (our
-    metrics.jsonl), also find when step 0 started: the first record's write time minus its step_s."""
+    """Run `cmd` to completion, sampling its process tree's memory and the memory.used of each GPU
+    it may use (`visible_gpus(env)`; every GPU without CUDA_VISIBLE_DEVICES). With `metrics` (our
+    metrics.jsonl), also find when step 0 started (`first_step_start`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t_launch = time.time()
     env = {**env, "BENCH_T0": repr(t_launch)}
-    peak_mem, peak_gpu, step0_start = 0.0, None, None
+    watched = visible_gpus(env) if env.get("CUDA_VISIBLE_DEVICES") is not None else None
+    peak_mem, gpu_peaks, step0_start = 0.0, {}, None
     with log.open("w") as out:
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None:
-            peak_mem = max(peak_mem, tree_pss_gib(proc.pid))
-            gpu = gpu_used_gib()
-            if gpu is not None:
-                peak_gpu = max(peak_gpu or 0.0, gpu)
-            if metrics is not None and step0_start is None and metrics.is_file():
-                records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-                timed = [r for r in records if "timing/step_s" in r and r["step"] >= 0]
-                if timed:
-                    step0_start = metrics.stat().st_mtime - sum(r["timing/step_s"] for r in timed)
-            if time.time() - t_launch > timeout:
-                os.killpg(proc.pid, 15)  # the group this runner created for the side
-                proc.wait(60)
-                break
-            time.sleep(poll_s)
+        _RUNNING.add(proc)
+        try:
+            while proc.poll() is None:
+                peak_mem = max(peak_mem, tree_pss_gib(proc.pid))
+                gpu_peaks = merge_peaks(gpu_peaks, gpu_query("memory.used"), watched)
+                if metrics is not None and step0_start is None:
+                    step0_start = first_step_start(metrics)
+                if time.time() - t_launch > timeout:
+                    stop_group(proc)
+                    break
+                time.sleep(poll_s)
+        finally:
+            _RUNNING.discard(proc)
     return {"returncode": proc.returncode, "wall_s": time.time() - t_launch, "peak_mem_gib": peak_mem,
-            "peak_gpu_gib": peak_gpu, "startup_s": None if step0_start is None else step0_start - t_launch,
+            "peak_gpu_gib": max(gpu_peaks.values(), default=None), "peak_gpu_gib_per_gpu": gpu_peaks,
+            "startup_s": None if step0_start is None else step0_start - t_launch,
             "log": str(log), "command": shlex.join(cmd)}
 
 
 def log_tail(path: str, lines: int = 15) -> str:
-    text = Path(path).read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
 
 def run_ours(w: Workload, overrides: list[str], side_dir: Path, env: dict[str, str], timeout: float
@@ -185,8 +271,9 @@ def run_ours(w: Workload, overrides: list[str], side_dir: Path, env: dict[str, s
     metrics = side_dir / "run" / "metrics.jsonl"
     result = launch([PYTHON, script, "--config", w.recipe, *overrides], env=env, log=side_dir / "log.txt",
                     metrics=metrics, timeout=timeout)
-    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    records = read_jsonl(metrics)
     return {"side": "ours", "ok": result["returncode"] == 0 and bool(records), "metrics": records, **result,
+            "memory_keys": resolved_memory_keys(side_dir / "run" / "config.yaml"),
             "error": None if result["returncode"] == 0 else log_tail(result["log"])}
 
 
@@ -201,6 +288,24 @@ def run_script_side(name: str, script: str, w: Workload, overrides: list[str], s
                                                            + log_tail(result["log"])}
     record.update({k: v for k, v in result.items() if k not in ("startup_s",)})
     return record
+
+
+def run_trl_tuned(name: str, script: str, w: Workload, overrides: list[str], side_dir: Path, env: dict[str, str],
+                  timeout: float, extra: list[str], *, gpus: list[str], fixed: int) -> dict[str, Any]:
+    """The tuned TRL side: `trl_batch_candidates` for its GPU's memory, largest first, the next one
+    only after an out-of-memory; the record of the try that ran, with every try in `tries`."""
+    total = gpu_query("memory.total")
+    gpu_gib = min((total[g] for g in gpus if g in total), default=None)
+    tries = []
+    for batch in trl_batch_candidates(w, gpu_gib, fixed):
+        print(f"[bench] {name}: per-device batch {batch} (log: {side_dir / f'batch{batch}' / 'log.txt'})", flush=True)
+        record = run_script_side(name, script, w, trl_tuned_overrides(w, overrides, batch),
+                                 side_dir / f"batch{batch}", env, timeout, extra)
+        tries.append({"per_device_batch": batch, "ok": bool(record.get("ok")), "oom": out_of_memory(record),
+                      "wall_s": record["wall_s"]})
+        if not tries[-1]["oom"]:
+            break
+    return {**record, "per_device_batch": batch, "tries": tries, "overrides": trl_tuned_overrides(w, overrides, batch)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,86 +353,104 @@ def git_info() -> dict[str, Any]:
 # Main
 
 
-def step_prompt_tokens(w: Workload, overrides: list[str]) -> list[int]:
-    """Prompt tokens the learner sees per step (every prompt counted group_size times), from the
-    same pipeline our loop uses."""
-    from transformers import AutoTokenizer
+def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,
+             workdir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own."""
+    side_dir = workdir / w.name / side
+    shutil.rmtree(side_dir, ignore_errors=True)
+    sw, overrides = side_plan(w, side, str(side_dir / "run"), model_path)
+    Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
+    env = {**env, "RAY_TMPDIR": tempfile.mkdtemp(prefix="s", dir=env["RAY_TMPDIR"]),  # short: Ray's socket paths
+           **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})}
+    print(f"[bench] {side}: running{' on GPU ' + ','.join(gpus) if gpus else ''} (log: {side_dir / 'log.txt'})",
+          flush=True)
+    timeout, eos = args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []
+    if side in ("ours", f"ours{TUNED}"):
+        r = run_ours(sw, overrides, side_dir, env, timeout)
+        try:
+            with _STEPS_LOCK:
+                if w.algorithm == "dpo":
+                    r["steps"] = ours_dpo_steps(r["metrics"])
+                elif r["metrics"]:
+                    samples = w.prompts_per_step * w.group_size
+                    r["steps"] = ours_grpo_steps(r["metrics"], step_prompt_tokens(sw, overrides), samples)
+        except Exception:  # the run's record stays, with why it has no steps
+            r.update(ok=False, steps=[], error=traceback.format_exc()[-3000:])
+    elif side == "ours-gen":  # mirror the thread count Ray gives our generator actor on CPU (fractional CPU -> 1)
+        gen_env = env if args.threads or w.device == "cuda" else {**env, "OMP_NUM_THREADS": "1"}
+        r = run_script_side(side, "benchmarks/gen_standalone.py", w, overrides, side_dir, gen_env, timeout, eos)
+    else:
+        trl = side.removesuffix(TUNED)
+        script = "benchmarks/trl_grpo.py" if w.algorithm == "grpo" else "benchmarks/trl_dpo.py"
+        extra = (["--generation", "vllm" if trl == "trl-vllm" else "hf"] if w.algorithm == "grpo" else []) + eos
+        r = (run_trl_tuned(side, script, w, overrides, side_dir, env, timeout, extra, gpus=gpus,
+                           fixed=args.trl_batch) if side.endswith(TUNED)
+             else run_script_side(side, script, w, overrides, side_dir, env, timeout, extra))
+    if r.get("ok"):  # a failed side keeps its Ray's own logs (its record names the folder)
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
+    return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"]}
 
-    from benchmarks.workloads import grpo_step_prompts
-    from rlhf.config import load_config
-    from rlhf.data.assets import resolve_model_path
 
-    cfg = load_config(REPO / w.recipe, overrides)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
-    return [sum(len(ids) for _, ids in step) * cfg.grpo.group_size for step in grpo_step_prompts(cfg, tokenizer)]
+def run_wave(wave: dict[str, list[str]], run: Any) -> dict[str, dict[str, Any]]:
+    """`run(side, gpus)` for every side of a wave at once, one thread each. A side that raises gets
+    a failed record; an interrupted runner stops every side still running."""
+    results: dict[str, dict[str, Any]] = {}
+
+    def one(side: str) -> None:
+        try:
+            results[side] = run(side, wave[side])
+        except Exception:
+            results[side] = {"side": side, "ok": False, "steps": [], "gpus": wave[side], "wall_s": 0.0,
+                             "error": traceback.format_exc()[-3000:]}
+            print(f"[bench] {side}: FAILED in the runner:\n{results[side]['error']}", flush=True)
+
+    threads = [threading.Thread(target=one, args=(side,), name=f"bench-{side}") for side in wave]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        for proc in list(_RUNNING):
+            stop_group(proc, grace_s=10)
+        raise
+    return {side: results[side] for side in wave}
 
 
 def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_path: str | None,
-              workdir: Path, env: dict[str, str]) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Each side in turn; returns their records and the overrides our side got."""
+              workdir: Path, env: dict[str, str]) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, Any]]:
+    """Every side, in the waves `waves` makes; returns their records, the overrides of the first
+    side and the schedule (whether sides ran at the same time, each wave's GPUs)."""
+    gpus = visible_gpus(env) if w.device == "cuda" else []
+    needs = {s: gpus_needed(*side_plan(w, s, str(workdir / w.name / s / "run"), model_path), s) if gpus else 0
+             for s in sides}
+    if args.parallel and len(gpus) < 2:
+        print(f"[bench] --parallel: {len(gpus)} GPU(s) for this workload, so the sides run in turn", flush=True)
+    plan = waves(needs, gpus, args.parallel)
+    if any(len(wave) > 1 for wave in plan):
+        print("[bench] waves: " + " | then ".join(", ".join(f"{s} on GPU {','.join(g)}" for s, g in wave.items())
+                                                 for wave in plan), flush=True)
     results: dict[str, dict[str, Any]] = {}
-    ours_overrides: list[str] = []
-    for side in sides:
-        side_dir = workdir / w.name / side
-        shutil.rmtree(side_dir, ignore_errors=True)
-        overrides = our_overrides(w, output_dir=str(side_dir / "run"), model_path=model_path)
-        ours_overrides = ours_overrides or overrides
-        print(f"[bench] {side}: running (log: {side_dir / 'log.txt'})", flush=True)
-        if side == "ours":
-            results[side] = run_ours(w, overrides, side_dir, env, args.side_timeout)
-            if results[side]["metrics"]:
-                results[side]["steps"] = (
-                    ours_grpo_steps(results[side]["metrics"], step_prompt_tokens(w, overrides),
-                                    w.prompts_per_step * w.group_size)
-                    if w.algorithm == "grpo" else ours_dpo_steps(results[side]["metrics"]))
-        elif side in ("trl", "trl-vllm"):
-            script = "benchmarks/trl_grpo.py" if w.algorithm == "grpo" else "benchmarks/trl_dpo.py"
-            extra = (["--generation", "vllm" if side == "trl-vllm" else "hf"] if w.algorithm == "grpo" else []) \
-                + (["--ignore-eos"] if w.ignore_eos else [])
-            results[side] = run_script_side(side, script, w, overrides, side_dir, env, args.side_timeout, extra)
-        else:  # ours-gen: mirror the thread count Ray gives our generator actor on CPU (fractional CPU -> 1)
-            gen_env = env if args.threads or w.device == "cuda" else {**env, "OMP_NUM_THREADS": "1"}
-            results[side] = run_script_side(side, "benchmarks/gen_standalone.py", w, overrides, side_dir, gen_env,
-                                            args.side_timeout, ["--ignore-eos"] if w.ignore_eos else [])
-        r = results[side]
-        print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
-    return results, ours_overrides
+    for wave in plan:
+        results.update(run_wave(wave, lambda side, g: run_side(w, side, g, args, model_path=model_path,
+                                                                workdir=workdir, env=env)))
+    first = results[sides[0]].get("overrides") or []
+    return results, first, {"concurrent": any(len(wave) > 1 for wave in plan), "waves": plan}
 
 
 def combine_latest(path: Path, sides: list[str]) -> tuple[dict[str, dict[str, Any]], list[str], list[str]]:
-    """The latest record of each side in a results file (for sides run by separate invocations,
-    e.g. under a per-command time limit): (side records, our overrides, notes naming the runs)."""
+    """`latest_side_records` of a results file (for sides run by separate invocations, e.g. under a
+    per-command time limit)."""
     if not path.is_file():
         raise SystemExit(f"--combine: {path} does not exist")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    found: dict[str, dict[str, Any]] = {}
-    overrides: list[str] = []
-    notes = []
-    for side in sides:
-        rec = next((r for r in reversed(records) if r["sides"].get(side, {}).get("steps")), None)
-        if rec is None:
-            continue
-        found[side] = rec["sides"][side]
-        overrides = overrides or rec["overrides"]
-        notes.append(f"{side} from the run of {rec['time']} (commit {rec['git']['commit'][:10]}, "
-                     f"load {rec['machine'].get('load_avg_1_5_15')})")
-    return found, overrides, notes
+    return latest_side_records(read_jsonl(path), sides)
 
 
-def report(w: Workload, record: dict[str, Any], path: Path) -> None:
-    """Print the table (and the in-loop generation efficiency) and append the record to `path`."""
-    table_sides = {s: record["summary"][s] for s in ("ours", "trl", "trl-vllm") if s in record["summary"]}
-    errors = {s: (r.get("error") or "failed").strip().splitlines()[-1]
-              for s, r in record["sides"].items() if not r.get("ok")}
+def report(record: dict[str, Any], path: Path) -> None:
+    """Print the tables (`report_text`) and append the record to `path`."""
     print()
-    print(format_table(table_sides, w.algorithm, errors=errors))
-    gen, ours = record["summary"].get("ours-gen"), record["summary"].get("ours")
-    if gen and ours and gen.get("gen_tokens_per_s") and ours.get("gen_tokens_per_s"):
-        loop, alone = ours["gen_tokens_per_s"], gen["gen_tokens_per_s"]
-        print(f"\nstandalone generation (our VLLMGenerator on step 0's batch): {alone:,.0f} tokens/s; in the loop "
-              f"{loop:,.0f} tokens/s: generation efficiency {loop / alone:.2f}")
-    for note in record["notes"]:
-        print(f"note: {note}")
+    print(report_text(record))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(record, default=str) + "\n")
@@ -342,12 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, **BENCH_ENV}
     if args.threads:  # every process of every side, our CPU learners included (actors/device.py)
         env["OMP_NUM_THREADS"] = env["RLHF_CPU_THREADS"] = str(args.threads)
-    sides = sides_of(w, args.only)
+    sides = sides_of(w, args.only, args.tuned)
     notes = list(args.note)
     if w.ignore_eos and not ours_supports_ignore_eos():
         notes.append("ours: our config has no generation.ignore_eos key, so our completions stop at EOS "
                      "(rare with random weights: compare mean completion tokens); TRL and ours-gen ignore EOS")
     print(f"[bench] {w.name}: {w.description or w.algorithm} | sides: {', '.join(sides)}", flush=True)
+    schedule = None
     if args.combine:
         results, overrides, found = combine_latest(results_path, sides)
         notes += found
@@ -357,15 +481,15 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.profile_ours import profile_sides
 
             return profile_sides(w, sides, model_path=model_path, workdir=workdir, env=env)
-        results, overrides = run_sides(w, sides, args, model_path=model_path, workdir=workdir, env=env)
+        results, overrides, schedule = run_sides(w, sides, args, model_path=model_path, workdir=workdir, env=env)
     record = build_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         command=shlex.join([Path(PYTHON).name, "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
         git=git_info(), machine=machine_info(), versions=versions(),
         env={k: env[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in env},
-        overrides=overrides, sides=results, notes=notes,
+        overrides=overrides, sides=results, notes=notes, schedule=schedule,
     )
-    report(w, record, results_path)
+    report(record, results_path)
     return 0 if results and all(r.get("ok") for r in results.values()) else 1
 
 

@@ -1,5 +1,6 @@
 """The runner's pure parts: per-step records in one shape, their summary, ratios, the table and
-the JSON line. No timing, no subprocesses: tests/test_benchmarks.py checks these directly.
+the JSON line, nvidia-smi's per-GPU figures, the waves sides run in. No timing, no subprocesses:
+tests/test_benchmarks.py and tests/test_bench_parallel.py check these directly.
 
 Per-step record (every side, every workload; absent phases are 0):
     step, step_s, generate_s, sync_s, reward_s, train_s, gen_tokens, train_tokens,
@@ -14,8 +15,11 @@ vLLM, allocator warm-up, lazy initialisation); start-up before step 0 is reporte
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+TUNED = "-tuned"
+"""Suffix of the tuned row's sides (`ours-tuned`, `trl-vllm-tuned`): compared with `ours-tuned`."""
 
 GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     # (summary key, table label, "lower"/"higher" is better)
@@ -28,7 +32,9 @@ GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("sync_s", "weight sync s", "lower"),
     ("reward_s", "reward s", "lower"),
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
-    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi", "lower"),
+    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
+    ("gpus", "GPUs (nvidia-smi index)", ""),
+    ("micro_batch", "learner micro-batch", ""),
     ("response_len_mean", "mean completion tokens", ""),
     ("reward_mean", "mean reward, all steps", "higher"),
 )
@@ -37,7 +43,9 @@ DPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("step_s", "median step s, steps 1..N-1", "lower"),
     ("train_tokens_per_s", "train tokens/s: chosen+rejected / step s", "higher"),
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
-    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi", "lower"),
+    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
+    ("gpus", "GPUs (nvidia-smi index)", ""),
+    ("micro_batch", "learner micro-batch", ""),
     ("loss_last", "loss, last step", "lower"),
     ("accuracy_mean", "reward accuracy, mean of all steps", "higher"),
     ("margin_last", "reward margin, last step", "higher"),
@@ -90,6 +98,29 @@ def ours_dpo_steps(metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# nvidia-smi, per GPU
+
+
+def parse_gpu_query(text: str) -> dict[str, float]:
+    """`nvidia-smi --query-gpu=index,<field> --format=csv,noheader,nounits` (MiB) -> index -> GiB;
+    lines without a number (`[N/A]`) are left out."""
+    out = {}
+    for line in text.splitlines():
+        index, _, value = (x.strip() for x in line.partition(","))
+        try:
+            out[index] = float(value) / 1024
+        except ValueError:
+            continue
+    return out
+
+
+def merge_peaks(peaks: dict[str, float], sample: dict[str, float], watched: Iterable[str] | None) -> dict[str, float]:
+    """`peaks` raised to one sample of `parse_gpu_query`, for the GPUs in `watched` (None: all)."""
+    watched = sample if watched is None else watched
+    return {**peaks, **{i: max(peaks.get(i, 0.0), sample[i]) for i in watched if i in sample}}
+
+
+# ---------------------------------------------------------------------------------------------
 # Summaries
 
 
@@ -112,14 +143,28 @@ def _rate(num: float, den: float) -> float | None:
     return num / den if den and den > 0 else None
 
 
+def micro_batch_text(side: dict[str, Any]) -> str | None:
+    """A side's learner micro-batch: TRL's per-device batch x accumulation (`trl_config`), ours in
+    sequences or as a token budget (`memory_keys`, from the run's resolved config)."""
+    trl, ours = side.get("trl_config") or {}, side.get("memory_keys") or {}
+    if "per_device_train_batch_size" in trl:
+        return f"{trl['per_device_train_batch_size']} x {trl['gradient_accumulation_steps']} accumulated"
+    if ours.get("learner.max_tokens_per_micro_batch"):
+        return f"<= {ours['learner.max_tokens_per_micro_batch']} tokens"
+    return str(ours["learner.micro_batch_size"]) if ours.get("learner.micro_batch_size") else None
+
+
 def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
-    """Table values of one side record (`steps`, `startup_s`, `peak_mem_gib`, `peak_gpu_gib`)."""
+    """Table values of one side record (`steps`, `startup_s`, `peak_mem_gib`, `peak_gpu_gib`,
+    `gpus`, and `micro_batch_text`'s keys)."""
     steps = side.get("steps") or []
     timed = steady(steps)
     out: dict[str, Any] = {
         "startup_s": side.get("startup_s"),
         "peak_mem_gib": side.get("peak_mem_gib"),
         "peak_gpu_gib": side.get("peak_gpu_gib"),
+        "gpus": ",".join(side.get("gpus") or []) or None,
+        "micro_batch": micro_batch_text(side),
         "steps": len(steps),
         "step_s": _median([s["step_s"] for s in timed]),
         "train_s": _median([s.get("train_s") for s in timed]),
@@ -176,17 +221,22 @@ def format_value(v: Any) -> str:
     return str(v)
 
 
-def format_table(summaries: dict[str, dict[str, Any]], algorithm: str, *, errors: dict[str, str] | None = None
-                 ) -> str:
-    """A markdown table: one row per metric, a column per side, and `ours/<side>` after each other
-    side. `summaries` must hold "ours" first; per-step curves follow as extra rows."""
+def base_side(side: str) -> str:
+    """The side `side` is compared with: `ours-tuned` for the tuned row, else `ours`."""
+    return f"ours{TUNED}" if side.endswith(TUNED) else "ours"
+
+
+def format_table(summaries: dict[str, dict[str, Any]], algorithm: str, *, errors: dict[str, str] | None = None,
+                 base: str = "ours") -> str:
+    """A markdown table: one row per metric, a column per side, and `<base>/<side>` after each
+    other side. `summaries` must hold `base` first; per-step curves follow as extra rows."""
     rows = GRPO_ROWS if algorithm == "grpo" else DPO_ROWS
-    others = [s for s in summaries if s != "ours"]
-    header = ["metric", "ours"]
+    others = [s for s in summaries if s != base]
+    header = ["metric", base]
     for s in others:
-        header += [s, f"ours/{s}"]
+        header += [s, f"{base}/{s}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ours = summaries.get("ours", {})
+    ours = summaries.get(base, {})
     ratio = {s: ratios(ours, summaries[s], algorithm) for s in others}
     for key, label, better in rows:
         if all(summaries[s].get(key) is None for s in summaries):
@@ -211,18 +261,94 @@ def format_table(summaries: dict[str, dict[str, Any]], algorithm: str, *, errors
 
 
 RECORD_KEYS = ("workload", "time", "command", "git", "machine", "versions", "env", "spec", "overrides",
-               "sides", "summary", "ratios", "notes")
+               "schedule", "sides", "summary", "ratios", "notes")
 
 
 def build_record(*, workload: dict[str, Any], time: str, command: str, git: dict[str, Any],
                  machine: dict[str, Any], versions: dict[str, str], env: dict[str, str], overrides: list[str],
-                 sides: dict[str, dict[str, Any]], notes: list[str]) -> dict[str, Any]:
-    """One line of benchmarks/results/<workload>.jsonl: where, what, every side's per-step
-    records, and the table's values with ratios ours/<side>."""
+                 sides: dict[str, dict[str, Any]], notes: list[str], schedule: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """One line of benchmarks/results/<workload>.jsonl: where, what, how the sides were scheduled
+    (`schedule`: concurrent or not, each wave's GPUs), every side's per-step records, and the
+    table's values with ratios <base>/<side> (`base_side`)."""
     algorithm = workload["algorithm"]
     summary = {name: summarize(side, algorithm) for name, side in sides.items() if side.get("steps")}
-    ratio = {name: ratios(summary["ours"], s, algorithm) for name, s in summary.items()
-             if name != "ours" and "ours" in summary}
+    ratio = {name: ratios(summary[base_side(name)], s, algorithm) for name, s in summary.items()
+             if name != base_side(name) and base_side(name) in summary}
     return {"workload": workload["name"], "time": time, "command": command, "git": git, "machine": machine,
-            "versions": versions, "env": env, "spec": workload, "overrides": overrides, "sides": sides,
-            "summary": summary, "ratios": ratio, "notes": notes}
+            "versions": versions, "env": env, "spec": workload, "overrides": overrides, "schedule": schedule,
+            "sides": sides, "summary": summary, "ratios": ratio, "notes": notes}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling and reporting
+
+
+def waves(needs: dict[str, int], gpus: list[str], parallel: bool) -> list[dict[str, list[str]]]:
+    """The sides in waves, each with its GPUs (`needs`: how many a side takes). With `parallel` and
+    two or more GPUs, a wave holds as many sides as have disjoint GPUs, first fit in order;
+    otherwise one side a wave. A side gets its first free GPUs, all of them if it needs more."""
+    out, pending = [], list(needs)
+    while pending:
+        free, wave = list(gpus), {}
+        for side in list(pending):
+            n = min(needs[side], len(gpus))
+            if wave and (not parallel or len(gpus) < 2 or n > len(free)):
+                continue
+            wave[side], free = free[:n], free[n:]
+            pending.remove(side)
+        out.append(wave)
+    return out
+
+
+def out_of_memory(record: dict[str, Any]) -> bool:
+    """Whether a side died of CUDA out-of-memory (its exception, or the log tail in its error)."""
+    text = f"{record.get('error') or ''}\n{record.get('traceback') or ''}"
+    return "OutOfMemoryError" in text or "CUDA out of memory" in text
+
+
+def latest_side_records(records: Sequence[dict[str, Any]], sides: Sequence[str]
+                        ) -> tuple[dict[str, dict[str, Any]], list[str], list[str]]:
+    """The latest record of each side with steps among a results file's `records`: (side records,
+    the overrides of the first found, notes naming the runs they come from)."""
+    found: dict[str, dict[str, Any]] = {}
+    overrides: list[str] = []
+    notes = []
+    for side in sides:
+        rec = next((r for r in reversed(records) if r["sides"].get(side, {}).get("steps")), None)
+        if rec is None:
+            continue
+        found[side] = rec["sides"][side]
+        overrides = overrides or rec["overrides"]
+        notes.append(f"{side} from the run of {rec['time']} (commit {rec['git']['commit'][:10]}, "
+                     f"load {rec['machine'].get('load_avg_1_5_15')})")
+    return found, overrides, notes
+
+
+def report_text(record: dict[str, Any]) -> str:
+    """A record as the runner prints it: the table of `ours` and the TRL sides, the tuned row's
+    table, the in-loop generation efficiency (with ours-gen), failures and notes."""
+    summary, algorithm, out = record["summary"], record["spec"]["algorithm"], []
+    errors = {s: (r.get("error") or "failed").strip().splitlines()[-1]
+              for s, r in record["sides"].items() if not r.get("ok")}
+    for base in ("ours", f"ours{TUNED}"):
+        ran = [s for s in record["sides"] if base_side(s) == base]
+        if not ran:
+            continue
+        if base != "ours":
+            out.append("\ntuned row: ours under memory.plan=auto, TRL at the largest per-device batch that fits "
+                       "(same samples per step)")
+        names = [base, *(s for s in ran if s not in (base, "ours-gen"))]
+        out.append(format_table({s: summary[s] for s in names if s in summary}, algorithm, base=base,
+                                errors={s: e for s, e in errors.items() if base_side(s) == base}))
+    gen, ours = summary.get("ours-gen"), summary.get("ours")
+    if gen and ours and gen.get("gen_tokens_per_s") and ours.get("gen_tokens_per_s"):
+        loop, alone = ours["gen_tokens_per_s"], gen["gen_tokens_per_s"]
+        out.append(f"\nstandalone generation (our VLLMGenerator on step 0's batch): {alone:,.0f} tokens/s; in the "
+                   f"loop {loop:,.0f} tokens/s: generation efficiency {loop / alone:.2f}")
+    schedule = record.get("schedule") or {}
+    if schedule.get("concurrent"):
+        out.append("\nsides ran at the same time, each on its own GPUs: " + " | then ".join(
+            ", ".join(f"{s} on GPU {','.join(g)}" for s, g in wave.items()) for wave in schedule["waves"]))
+    out += [f"note: {note}" for note in record["notes"]]
+    return "\n".join(out)

@@ -31,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal
 
+from benchmarks.summary import TUNED
 from rlhf.config import RunConfig, config_keys
 
 REPO_MODELS = {"random:qwen2.5-0.5b", "random:qwen2.5-1.5b", "random:qwen2.5-7b"}
@@ -80,6 +82,8 @@ class Workload:
     """Also measure our VLLMGenerator alone on step 0's batch (in-loop generation efficiency)."""
     device: Literal["cpu", "cuda"] = "cpu"
     description: str = ""
+    planned_recipe: str = ""
+    """Our recipe for the tuned row (`memory.plan: auto`, no memory key set); empty: `recipe`."""
 
     def tiny(self) -> Workload:
         """The same workload on the tiny random Qwen2 at a few prompts and tokens: minutes on a CPU,
@@ -116,6 +120,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         extra=("data.num_train=1024", "data.num_eval=16",
                "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
         trl_sides=("trl-vllm",), standalone_generation=True, device="cuda",
+        planned_recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 512 tokens (ignore_eos), "
                     "colocated on 1 GPU; dense reward so every step has non-zero advantages",
     ),
@@ -159,6 +164,62 @@ def ours_supports_ignore_eos() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# The tuned row: ours under the memory planner, TRL at the largest per-device batch that fits
+
+TRL_START_BATCH: tuple[tuple[float, int], ...] = ((120.0, 64), (70.0, 32))
+"""(GPU memory GiB at least, first per-device batch tried) for the tuned TRL side: one step above
+the batch grpo-gpu's TRL side is known to fit (16 on an 80 GiB H100: the grpo-gpu results in
+benchmarks/README.md). Smaller GPUs and CPU start at the workload's micro-batch."""
+
+
+def trl_batch(w: Workload) -> tuple[int, int]:
+    """(items per optimizer step, the workload's per-device batch) in TRL's units: completions for
+    GRPO, preference pairs for DPO (our DPO micro-batch counts sequences, two per pair)."""
+    if w.algorithm == "grpo":
+        return w.prompts_per_step * w.group_size, w.micro_batch_size
+    return w.prompts_per_step, max(1, w.micro_batch_size // 2)
+
+
+def trl_batch_candidates(w: Workload, gpu_gib: float | None, fixed: int = 0) -> list[int]:
+    """Per-device batches for the tuned TRL side, in the order to try them: the rule is "start at
+    TRL_START_BATCH for the GPU's memory, halve on CUDA out-of-memory", over the batches that
+    divide the step (so the accumulation keeps the samples per step). `fixed` > 0: that one only."""
+    total, micro = trl_batch(w)
+    if fixed:
+        if total % fixed:
+            raise ValueError(f"per-device batch {fixed} does not divide the {total} items of a step")
+        return [fixed]
+    start = next((b for gib, b in TRL_START_BATCH if gpu_gib and gpu_gib >= gib), micro)
+    out, b = [], min(max(start, micro), total)
+    while b >= 1:
+        if total % b == 0:
+            out.append(b)
+        b //= 2
+    return out
+
+
+def without_keys(overrides: list[str], keys: set[str] | tuple[str, ...]) -> list[str]:
+    """`overrides` less those that set one of `keys`."""
+    return [o for o in overrides if o.split("=", 1)[0] not in keys]
+
+
+def tuned_overrides(overrides: list[str], *, on_gpu: bool) -> list[str]:
+    """Ours in the tuned row: the workload's overrides less every key the memory planner sets
+    (`rlhf.planner.memory.PLAN_KEYS`: a key set is kept as set), with `memory.plan=auto`. Off GPU
+    the plan is for an H100 (`memory.gpu` names a kind, so it applies without a device)."""
+    from rlhf.planner.memory import PLAN_KEYS
+
+    return [*without_keys(overrides, PLAN_KEYS), "memory.plan=auto", *([] if on_gpu else ["memory.gpu=h100-80gb"])]
+
+
+def trl_tuned_overrides(w: Workload, overrides: list[str], batch: int) -> list[str]:
+    """The TRL side's overrides at per-device batch `batch` (TRL's units, see `trl_batch`):
+    `trl_grpo_kwargs` / `trl_dpo_kwargs` derive the accumulation from the same samples per step."""
+    micro = batch if w.algorithm == "grpo" else 2 * batch
+    return [*without_keys(overrides, ("learner.micro_batch_size",)), f"learner.micro_batch_size={micro}"]
+
+
+# ---------------------------------------------------------------------------------------------
 # Prompts, in the order our loop takes them
 
 
@@ -171,6 +232,19 @@ def grpo_step_prompts(cfg: RunConfig, tokenizer: Any) -> list[list[tuple[Any, li
     rows, ids, _ = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
     stream = PromptStream(list(zip(rows, ids)), seed=cfg.data.seed)
     return [stream.take(cfg.grpo.prompts_per_step) for _ in range(cfg.grpo.steps)]
+
+
+def step_prompt_tokens(w: Workload, overrides: list[str]) -> list[int]:
+    """Prompt tokens the learner sees per step (every prompt counted group_size times), from the
+    same pipeline our loop uses."""
+    from transformers import AutoTokenizer
+
+    from rlhf.config import load_config
+    from rlhf.data.assets import resolve_model_path
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / w.recipe, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    return [sum(len(ids) for _, ids in step) * cfg.grpo.group_size for step in grpo_step_prompts(cfg, tokenizer)]
 
 
 def trl_prompt(row: Any, cfg: RunConfig) -> str | list[dict[str, str]]:
@@ -264,3 +338,48 @@ def trl_dpo_kwargs(cfg: RunConfig, *, output_dir: str, use_cpu: bool) -> dict[st
         precompute_ref_log_probs=d.precompute_ref, train_sampling_strategy="sequential",
     )
     return kwargs
+
+
+# ---------------------------------------------------------------------------------------------
+# What a side of benchmarks/run.py runs
+
+
+def side_plan(w: Workload, side: str, output_dir: str, model_path: str | None) -> tuple[Workload, list[str]]:
+    """(workload, overrides) a side runs: the workload's; ours in the tuned row runs the planned
+    recipe under `memory.plan=auto` (`tuned_overrides`)."""
+    overrides = our_overrides(w, output_dir=output_dir, model_path=model_path)
+    if side != f"ours{TUNED}":
+        return w, overrides
+    return replace(w, recipe=w.planned_recipe or w.recipe), tuned_overrides(overrides, on_gpu=w.device == "cuda")
+
+
+def gpus_needed(w: Workload, overrides: list[str], side: str) -> int:
+    """GPUs a side takes: a TRL side one (one process); ours-gen its engine's TP; ours what its
+    config places (`rlhf.rules.run_gpus`, split placement with `auto` engines counted as one). A
+    config that does not load counts one: the side then fails in its own run, with its record."""
+    from rlhf.config import load_config
+    from rlhf.rules import run_gpus
+
+    if side.startswith("trl"):
+        return 1
+    try:
+        cfg = load_config(Path(__file__).resolve().parents[1] / w.recipe, overrides)
+    except (ValueError, OSError):
+        return 1
+    if side == "ours-gen":
+        return cfg.cluster.generator_tp
+    engines = cfg.cluster.generator_engines
+    return run_gpus(cfg, 1 if engines == "auto" else engines)
+
+
+def resolved_memory_keys(config: Path) -> dict[str, Any]:
+    """The memory planner's keys (`PLAN_KEYS`) in a run's resolved config.yaml: what the plan chose,
+    or the recipe's values; {} without the file."""
+    import yaml
+
+    from rlhf.planner.memory import PLAN_KEYS
+
+    if not config.is_file():
+        return {}
+    cfg = yaml.safe_load(config.read_text())
+    return {key: cfg.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in PLAN_KEYS}

@@ -88,6 +88,11 @@ class GenerationConfig:
     async_scheduling: bool | None = None
     """vLLM's asynchronous scheduling (the next step is scheduled while the GPU runs this one);
     None: vLLM's own choice (on for our in-process GPU engine, always off on CPU)."""
+    quantization: Literal["none", "fp8"] = "none"
+    """`fp8`: the engine runs vLLM's online FP8 (weights quantized per tensor at start and at every
+    push, activations scaled on the fly); the learners keep bf16, `mismatch/logprob_abs_diff` shows the gap
+    and `grpo.is_correction: tis` corrects it. vLLM backend, bf16 weights, GPUs with FP8 only (NVIDIA
+    compute capability 8.9+, AMD MI300/MI350); refused in one line elsewhere. `none`: bf16 rollouts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +138,10 @@ class EnvConfig:
     """Per-call time limit of a tool; a call past it is cut and the model reads a time-out error."""
     max_tool_output_chars: int = 2000
     """Characters of a tool's output the model reads; the rest is cut."""
+    sandbox: Literal["os", "audit_hook"] = "os"
+    """Boundary of the code that tools and environments run (rlhf.env.sandbox): `os` isolates each call
+    in its own namespaces (bubblewrap; a run that cannot make them refuses to start); `audit_hook` only
+    guards the process with a CPython audit hook, which is not a security boundary."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +168,8 @@ class GRPOConfig:
     is_correction: Literal["auto", "none", "tis", "mis"] = "auto"
     """Importance weights pi_learner / pi_engine per token on the policy loss, from the learners'
     recomputed log-probs and the engine's: `tis` truncates them at `is_cap`, `mis` masks tokens
-    above it, `none` leaves them out; `auto` is tis with max_staleness > 0, else none."""
+    above it, `none` leaves them out; `auto` is tis with max_staleness > 0 or quantized rollouts
+    (`generation.quantization`), else none."""
     is_cap: float = 2.0
     """The cap of `is_correction` (TRL's vllm_importance_sampling_clip_max)."""
     overlong: Literal["none", "filter", "shape"] = "none"
@@ -251,8 +261,24 @@ class LearnerConfig:
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids,
     attended with a per-document causal mask (FlexAttention skips the masked blocks; SDPA computes
     them densely, so packing pays off with `attention: flex_attention`)."""
-    attention: Literal["auto", "sdpa", "flex_attention", "eager"] = "auto"
-    """Attention kernel of the learner: `auto` is FlexAttention for packed rows on a GPU, else SDPA."""
+    attention: Literal["auto", "sdpa", "flex_attention", "eager", "varlen"] = "auto"
+    """Attention kernel of the learner: `auto` is FlexAttention for packed rows on a GPU, else SDPA.
+    `varlen`: packed rows through FlashAttention's variable-length kernel, told each document's
+    borders instead of a mask (needs `pack_sequences`; on CPU it runs SDPA document by document)."""
+    padding_mask: bool = False
+    """Pass the padding mask to attention on padded micro-batches. Off: rows are right-padded, so a
+    causal model gives every real token the same output without it, and SDPA takes its flash kernel
+    (with a mask it falls back to the memory-efficient one); the padded tail's outputs go unused."""
+    liger: bool = False
+    """Liger's Triton kernels for the decoder's RMSNorm, SwiGLU and RoPE (GPU only; refused on CPU)."""
+    compile: bool = False
+    """Compile each decoder layer's forward with torch.compile (FSDP2 only): fuses the elementwise work
+    (norms, activation, rotary embedding, casts); the first steps pay the compilation."""
+    cast_once_per_step: bool = False
+    """FSDP2 only: gather and cast each layer's weights to the compute dtype once per step instead of in
+    every micro-batch's forward and backward; the layers stay unsharded, and gradients accumulate
+    unsharded in fp32, until the step's last micro-batch. Costs the model's compute-dtype copy and
+    its fp32 gradients in full on every rank."""
     share_prompts: bool = False
     """Rows sharing a prompt (a GRPO group, a DPO pair) run as one row: the prompt once, each
     completion after it under a block mask. Same log-probs, less compute when prompts are long

@@ -47,6 +47,7 @@ def validate(c: RunConfig) -> None:
     _eval(c.eval)
     _learner(c.learner)
     _generation(c.generation)
+    _quantization(c)
     _reward(c.reward)
     _env(c.env)
     _data(c.data)
@@ -136,6 +137,15 @@ def _learner(l: LearnerConfig) -> None:
     check(l.warmup_steps >= 0, "learner.warmup_steps", "an integer >= 0", l.warmup_steps)
     check(not (l.share_prompts and l.pack_sequences), "learner.share_prompts",
           "false while learner.pack_sequences=true (two ways of laying out a micro-batch)", l.share_prompts)
+    check(l.attention != "varlen" or l.pack_sequences, "learner.attention",
+          "not varlen unless learner.pack_sequences=true (varlen attends packed rows)", l.attention)
+    check(not (l.compile and l.liger), "learner.compile",
+          "false with learner.liger=true (both fuse the same work, and Liger's kernels do not trace under "
+          "torch.compile: choose one)", l.compile)
+    check(not l.compile or l.backend == "fsdp2", "learner.compile",
+          "false with learner.backend=deepspeed (ZeRO's parameter hooks inside the layers break the graph)", l.compile)
+    check(not l.cast_once_per_step or l.backend == "fsdp2", "learner.cast_once_per_step",
+          "false with learner.backend=deepspeed (an FSDP2 setting)", l.cast_once_per_step)
 
 
 def _generation(gen: GenerationConfig) -> None:
@@ -151,6 +161,16 @@ def _generation(gen: GenerationConfig) -> None:
     check(0 < gen.gpu_memory_utilization <= 1, "generation.gpu_memory_utilization", "a number in (0, 1]",
           gen.gpu_memory_utilization)
     check(gen.cpu_kvcache_gib >= 1, "generation.cpu_kvcache_gib", "an integer >= 1", gen.cpu_kvcache_gib)
+
+
+def _quantization(c: RunConfig) -> None:
+    """FP8 rollouts need vLLM and bf16 weights (vLLM's FP8 takes bf16/fp16 only); whether the device
+    has FP8 is checked at launch (actors.vllm_generator.refuse_quantization)."""
+    q = c.generation.quantization
+    check(q == "none" or c.generation.backend == "vllm", "generation.quantization",
+          "none with generation.backend=hf (FP8 rollouts are vLLM's)", q)
+    check(q == "none" or c.model.dtype != "float32", "generation.quantization",
+          "none with model.dtype=float32 (vLLM quantizes bf16 weights to FP8: set model.dtype=bfloat16)", q)
 
 
 def _reward(r: RewardConfig) -> None:
@@ -239,7 +259,8 @@ def check_files(c: RunConfig) -> None:
     """The files the config names that nothing else reads before Ray starts (the launch calls this;
     `validate` never touches the disk): `learner.deepspeed_config`, a JSON object, read by every
     DeepSpeed learner rank in its constructor. A JSON error names the file and line. And `env.tools`
-    and `env.environment`: each spec imported, so one that fails to is one line before start-up."""
+    and `env.environment`: each spec imported, so one that fails to is one line before start-up, and
+    with `env.sandbox=os` the boundary their code runs in made once here (`check_sandbox`)."""
     if c.env.tools:
         from rlhf.env.tools import load_tools
 
@@ -248,6 +269,7 @@ def check_files(c: RunConfig) -> None:
         from rlhf.env.episodes import load_environment
 
         load_environment(c.env.environment)
+    check_sandbox(c.env)
     name = c.learner.deepspeed_config
     if not name or c.learner.backend != "deepspeed":
         return
@@ -263,3 +285,14 @@ def check_files(c: RunConfig) -> None:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: learner.deepspeed_config must hold a JSON object, "
                           f"not a {type(data).__name__}")
+
+
+def check_sandbox(e: EnvConfig) -> None:
+    """No silent downgrade: a run with tools or an environment and `env.sandbox=os` refuses to start
+    where that boundary cannot be made, in one line naming why and `env.sandbox=audit_hook`."""
+    if e.sandbox != "os" or not (e.tools or e.environment):
+        return
+    from rlhf.env.sandbox import refusal
+
+    if message := refusal():
+        raise ConfigError(message, key="env.sandbox")

@@ -69,7 +69,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
     rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # choice 8
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
-    objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens)
+    objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens,
+                                          quantized_rollouts=cfg.generation.quantization != "none")
     evaluator = Evaluator.from_config(cfg, tokenizer, eval_set) if cfg.eval_every else None
     cluster.weight_sync.push(version=start)  # the generator starts from the learners' weights
     # The final evaluation is one more tick of the progress bar.

@@ -45,6 +45,10 @@ def ray_session(cfg: RunConfig) -> Iterator[Path]:
         raise ConfigError(f"output_dir={cfg.output_dir}: cannot write the run folder "
                           f"({_one_line(e)})") from None
     print(describe_run(cfg), flush=True)
+    if cfg.env.tools or cfg.env.environment:  # the boundary of the code they run
+        from rlhf.env.sandbox import describe_mode
+
+        print(describe_mode(cfg.env.sandbox), flush=True)
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS") or None
     with driver_logs_to_file(logs, verbose=verbose):
         context = ray.init(address=address, **ray_init_kwargs(logs, verbose=verbose, local=address is None))
@@ -148,8 +152,8 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] | None,
                 prepare: Callable[[RunConfig], tuple]) -> tuple[RunConfig, tuple]:
-    """Parse `--config` and overrides, check the recipe is for `algorithm`, settle the compute
-    dtype for this machine, apply `memory.plan: auto` (`with_memory_plan`), check the output folder
+    """Parse `--config` and overrides, check the recipe is for `algorithm`, apply `memory.plan: auto`
+    (`with_memory_plan`), settle the compute dtype for this machine, check the output folder
     (writable; an earlier run there is refused without resume or overwrite: rlhf/run/folder.py)
     and the checkpoint to resume from, run `prepare(cfg)` (everything else that can fail on bad
     input, the resume's fit to its checkpoint included), and with overwrite=true delete the earlier
@@ -159,11 +163,14 @@ def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] |
 
     args = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse(
         argv, default_config)
-    cfg = with_compute_dtype(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
     if cfg.algorithm != algorithm:
         raise ConfigError(f"algorithm={cfg.algorithm!r}: this script trains {algorithm} recipes "
                           f"(algorithm: {algorithm}); use scripts/train_{cfg.algorithm}.py")
-    cfg = with_memory_plan(cfg, args.config, args.overrides)
+    check_rollout_quantization(cfg)  # before the dtype is settled: on CPU the device is the reason
+    # The plan is for the GPU that `memory.gpu` names, in the dtype the recipe asks of it; then the
+    # dtype is settled for this machine (a CPU without native bf16 computes in fp32).
+    cfg = with_compute_dtype(with_memory_plan(cfg, args.config, args.overrides))
     check_output_dir(cfg.output_dir)
     check_model_folder(cfg.model.path)
     check_files(cfg)  # learner.deepspeed_config
@@ -210,6 +217,19 @@ def with_compute_dtype(cfg: RunConfig) -> RunConfig:
         return cfg
     print(f"model.dtype: {cfg.model.dtype} -> {dtype}: {why}")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
+
+
+def check_rollout_quantization(cfg: RunConfig) -> None:
+    """`generation.quantization: fp8` refused in one line where this machine's device has no FP8
+    (the engines run on the kind of device the driver sees: actors/cluster.py), else said once."""
+    if cfg.algorithm != "grpo" or cfg.generation.quantization == "none":
+        return
+    from actors.device import detect
+    from actors.vllm_generator import refuse_quantization
+
+    refuse_quantization(cfg.generation, detect())
+    print(f"generation.quantization: {cfg.generation.quantization}: the engines serve vLLM's online FP8, "
+          f"quantized again at every push (mismatch/logprob_abs_diff: the gap to the learners' weights)")
 
 
 def with_memory_plan(cfg: RunConfig, config_path: str | None, overrides: list[str]) -> RunConfig:

@@ -74,6 +74,18 @@ else
   echo "$stamp_now" > "$stamp_file"
 fi
 
+# Tool and environment code runs under bubblewrap (rlhf/env/sandbox.py, env.sandbox=os): install
+# Debian's package when it is missing and we may (root with apt), else say which package to install.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing bubblewrap (the sandbox of tool code)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+      || echo "setup: could not install the bubblewrap package; runs with tools need it (or env.sandbox=audit_hook)" >&2
+  else
+    echo "setup: bwrap is missing: install the bubblewrap package (runs with tools need it, or env.sandbox=audit_hook)" >&2
+  fi
+fi
+
 # DeepSpeed's CPU ops (shared-memory collectives, CPU Adam) are compiled on first use: once per
 # host, ~1 min on 2 cores. Build them here, so no run or test stops for the compiler, beside the
 # fetch of the shipped model and data (~30 s, mostly one core).

@@ -85,3 +85,30 @@ def test_unreachable_registry_is_one_clear_line(tmp_path, monkeypatch):
 def test_unknown_asset_name():
     with pytest.raises(assets.AssetError, match="unknown asset nope"):
         assets.fetch(["nope"])
+
+
+def test_fetches_of_one_asset_from_several_workers_run_one_at_a_time(tmp_path, monkeypatch):
+    """Two GPU jobs (or test workers) on one host fetching the same asset: the second waits for the
+    first instead of sharing its temporary folders (which the first deletes as it finishes)."""
+    import threading
+    import time
+
+    from rlhf.data import assets
+
+    monkeypatch.setenv("RLHF_CACHE", str(tmp_path))
+    inside, seen = [0], []
+
+    @assets._one_at_a_time
+    def fetch_fake(force: bool = False):
+        inside[0] += 1
+        seen.append(inside[0])
+        time.sleep(0.2)  # long enough that unlocked callers would overlap
+        inside[0] -= 1
+        return tmp_path
+
+    workers = [threading.Thread(target=fetch_fake) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert seen == [1, 1, 1]

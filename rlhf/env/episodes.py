@@ -50,6 +50,7 @@ from rewards.api import RewardLoadError, load_function
 from rlhf.config_checks import ConfigError
 from rlhf.protocols import Generator
 from rlhf.run.metrics import add_engine_metrics
+from rlhf.env.sandbox import MODES, SandboxMode, use_mode
 from rlhf.env.tools import ToolBox, parse_tool_calls
 from rlhf.types import Completion, PromptRow, SamplingSpec
 
@@ -264,18 +265,20 @@ def _metrics(runs: list[_Run], engine: dict[str, float]) -> dict[str, float]:
 class EpisodeSampler:
     """What the rollout queue calls instead of `Generator.submit` when `env.tools` or
     `env.environment` is set: `sampler(rows, prompt_ids, sampling) -> (completions, metrics)`
-    (run_episodes, synchronous)."""
+    (run_episodes, synchronous); the metrics carry `env/sandbox_isolated` (1: `env.sandbox=os`)."""
 
     generator: Generator
     environment: Environment
     suffix: ChatSuffix
     decode: Callable[[list[int]], str]
     max_turns: int
+    sandbox: SandboxMode = "os"
 
     @classmethod
     def from_config(cls, env: EnvConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
         """The episodes of `env.environment`, or of the tool environment of `env.tools`; None when
-        neither is set (single-turn GRPO). Validation refuses both at once (choice 1)."""
+        neither is set (single-turn GRPO). Validation refuses both at once (choice 1). Sets the mode
+        of the code they run (`rlhf.env.sandbox.run_python`) to `env.sandbox`."""
         if env.environment:
             environment: Environment = load_environment(env.environment)
         elif env.tools:
@@ -284,12 +287,14 @@ class EpisodeSampler:
             environment = ToolEnvironment(box)
         else:
             return None
-        return cls(generator, environment, ChatSuffix(tokenizer), tokenizer.decode, env.max_turns)
+        use_mode(env.sandbox)
+        return cls(generator, environment, ChatSuffix(tokenizer), tokenizer.decode, env.max_turns, env.sandbox)
 
     def __call__(self, rows: Sequence[PromptRow], prompt_ids: Sequence[list[int]], sampling: SamplingSpec
                  ) -> tuple[list[Completion], dict[str, float]]:
-        return run_episodes(self.generator, rows, prompt_ids, sampling, self.environment, self.suffix,
-                            max_turns=self.max_turns, decode=self.decode)
+        completions, metrics = run_episodes(self.generator, rows, prompt_ids, sampling, self.environment,
+                                            self.suffix, max_turns=self.max_turns, decode=self.decode)
+        return completions, {**metrics, "env/sandbox_isolated": float(MODES[self.sandbox].namespaces)}
 
 
 def with_env_rewards(rewards: torch.Tensor, completions: Sequence[Completion]) -> torch.Tensor:

@@ -14,7 +14,8 @@ Choices:
    cause; a call that outlives `timeout_s` is cut and answered `error: timed out`. Tools run on a
    daemon thread so the wait can be cut; the thread of a hung pure-Python tool is left behind
    (it cannot be killed, and it does not hold up the run's exit). The built-in `python` tool runs
-   in a child process that is killed at the limit (rlhf.env.sandbox), so it leaves nothing behind.
+   in a child process that is killed at the limit, inside the run's `env.sandbox` boundary
+   (rlhf.env.sandbox: its own namespaces by default), so it leaves nothing behind.
 4. A tool that declares a keyword-only `timeout_s` parameter receives the configured limit
    (whatever the model passed), so its own limit and the wait agree.
 5. Outputs are cut to `max_output_chars` here, for every tool.

@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 BUILD_BUNDLE=${BUILD_BUNDLE:-../shared/gpu/build-bundle.sh}
 REQS=("vllm==0.26.0" "ray[default]==2.60.0" "deepspeed==0.19.8" "trl==1.16.0" "reasoning-gym==0.1.25"
-      "math-verify==0.9.0" "gguf")
+      "math-verify==0.9.0" "gguf" "liger-kernel==0.8.5")
 mkdir -p .gpubundle
 split_parts() {  # split_parts FILE NAME: 52 MiB parts .gpubundle/NAME/partK/partK and .gpubundle/NAME.sha256
   local file=$1 name=$2

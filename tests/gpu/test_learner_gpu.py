@@ -1,5 +1,6 @@
 """Learner paths only a GPU runs: packed rows under FlexAttention's per-document mask (its Triton
-backward has no CPU kernel) train like padded rows; one DPO run on GPU saves a checkpoint and a
+backward has no CPU kernel) and the fast kernels (Liger, inductor, FlashAttention varlen) train like
+padded rows; one DPO run on GPU saves a checkpoint and a
 resumed run repeats its next step."""
 
 from __future__ import annotations
@@ -55,17 +56,61 @@ def test_packed_rows_under_flex_attention_train_like_padded_rows(smollm2, figure
     base = LearnerConfig(lr=1e-5, micro_batch_size=4)
     lp, metrics = _step(str(smollm2), base, batch)
     packed = replace(base, pack_sequences=True, max_tokens_per_micro_batch=512, attention="flex_attention")
-    lp2, metrics2 = _step(str(smollm2), packed, batch)
+    _assert_same_step(batch, (lp, metrics), _step(str(smollm2), packed, batch), figures)
+
+
+def _assert_same_step(batch: TrainBatch, want, got, figures) -> None:
+    """Two learner steps on `batch` ((log-probs, metrics) each) agree within bf16's rounding; the gaps
+    go to `figures`. Random tokens score about -13.7 in bf16, where two kernels round apart. Measured
+    on CPU in bf16 on this batch (2026-11-25): padded rows in micro-batches of 4 vs 8 differ by mean
+    0.023 / max 0.26; packed FlexAttention vs padded by mean 0.061 / max 0.42 (an H100: max 0.46);
+    packed rows whose documents see each other (positions not restarting) by mean 0.42 / max 5.6."""
+    (lp, metrics), (lp2, metrics2) = want, got
     gaps = (lp2 - lp)[batch.loss_mask].abs()
     figures.update(logprob_mean_gap=round(float(gaps.mean()), 4), logprob_max_gap=round(float(gaps.max()), 4),
                    loss=(metrics.loss, metrics2.loss), grad_norm=(metrics.grad_norm, metrics2.grad_norm))
-    # Random tokens score about -13.7 in bf16, where two kernels round apart. Measured on CPU in bf16
-    # on this batch (2026-11-25): padded rows in micro-batches of 4 vs 8 differ by mean 0.023 / max
-    # 0.26; packed FlexAttention vs padded by mean 0.061 / max 0.42 (an H100: max 0.46); packed rows
-    # whose documents see each other (positions not restarting) by mean 0.42 / max 5.6.
     assert figures["logprob_mean_gap"] <= 0.15 and figures["logprob_max_gap"] <= 1.5, figures
     assert metrics2.loss == pytest.approx(metrics.loss, abs=2e-3)
     assert metrics2.grad_norm == pytest.approx(metrics.grad_norm, rel=3e-2)
+
+
+FAST_KERNELS = {  # actors/learner_kernels.py, each against the eager rows under their padding mask
+    "no-padding-mask": {},
+    "liger": {"liger": True},
+    "compile": {"compile": True, "cast_once_per_step": True},
+    "varlen": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 512},
+    "varlen-liger-cast": {"liger": True, "cast_once_per_step": True, "pack_sequences": True,
+                          "attention": "varlen", "max_tokens_per_micro_batch": 512},
+}
+
+
+@pytest.fixture
+def restored_transformers():
+    """Liger swaps classes and functions in transformers' modeling modules for the whole process:
+    put them back, so later tests build the eager model."""
+    import sys
+
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imported before the snapshot)
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    modules = {n: dict(vars(m)) for n, m in sys.modules.items() if n.startswith("transformers.models.")}
+    yield
+    for name, saved in modules.items():
+        vars(sys.modules[name]).update(saved)
+
+
+@pytest.mark.parametrize("kernels", list(FAST_KERNELS))
+def test_fast_kernels_train_like_eager_padded_rows(smollm2, kernels, figures, restored_transformers):
+    """Each speed switch of the learner (Liger's kernels, compiled layers cast once per step, packed
+    rows under FlashAttention's varlen kernel, padded rows without their mask) on SmolLM2 in bf16:
+    the eager masked rows' log-probs, loss and gradient norm, within bf16's rounding (the bounds of
+    the FlexAttention test above)."""
+    from transformers import AutoConfig
+
+    batch = _batch(AutoConfig.from_pretrained(smollm2).vocab_size)
+    base = LearnerConfig(lr=1e-5, micro_batch_size=4, padding_mask=True)
+    fast = replace(base, padding_mask=False, **FAST_KERNELS[kernels])
+    _assert_same_step(batch, _step(str(smollm2), base, batch), _step(str(smollm2), fast, batch), figures)
 
 
 DPO = "configs/dpo_smollm2_cpu.yaml"

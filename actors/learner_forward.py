@@ -1,0 +1,103 @@
+"""One micro-batch through the learner's model to token log-probs, in the layout `learner.*` asks for
+(actors.learner_base choices 4-8): padded rows, one packed row, or rows that share their prompt.
+
+Every layout returns the same [b, T] log-probs, aligned like TrainBatch.old_logprobs (tested against
+each other in tests/test_learner_kernels.py and tests/test_fsdp2_learner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.hf_model import output_head
+from actors.learner_kernels import right_padded, varlen_kwargs
+from rlhf.algo.logprobs import (
+    align_next_token,
+    next_token_targets,
+    pack_sequences,
+    packed_token_logprobs,
+    sequence_starts,
+    share_prompts,
+    shared_prompt_logprobs,
+    token_logprobs,
+)
+from rlhf.config import LearnerConfig
+from rlhf.types import Batch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a rank lays out its micro-batches: its learner section, the sampling temperature, the
+    device, and whether packed rows are topped up to the token budget (FlexAttention: one shape,
+    one compilation) or carry their borders to the varlen kernel."""
+
+    cfg: LearnerConfig
+    temperature: float
+    device: torch.device
+    fixed_pack: bool = False
+    varlen: bool = False
+
+
+def forward_logprobs(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
+    """Token log-probs [b, T] of a micro-batch under `layout`."""
+    cfg, dev = layout.cfg, layout.device
+    if cfg.share_prompts and bool(mb.loss_mask.any()):  # choice 6
+        shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask, device=dev)
+        logits = model(input_ids=shared.input_ids, position_ids=shared.position_ids,
+                       attention_mask=shared.attention_mask, use_cache=False,
+                       logits_to_keep=shared.input_ids.shape[1] - shared.first_column).logits
+        return shared_prompt_logprobs(logits, shared, temperature=layout.temperature)
+    if not cfg.pack_sequences or (mb.input_ids.shape[0] == 1 and not layout.varlen):
+        return _padded(model, mb, layout)
+    return _packed(model, mb, layout)
+
+
+def _padded(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
+    """Choice 5: the head only from the position before the first scored token on. Right-padded rows
+    go without the padding mask unless `learner.padding_mask` (actors.learner_kernels)."""
+    dev = layout.device
+    ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
+    start = first_scored_column(mb.loss_mask)
+    attention_mask = None if not layout.cfg.padding_mask and right_padded(mb.attention_mask) else mb.attention_mask.to(dev)
+    kwargs = dict(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=ids.shape[1] - start + 1)
+    if layout.cfg.fused_head:  # choice 7: the model returns next-token log-probs, no logits
+        with output_head(model).scoring(next_token_targets(ids[:, start - 1:]), layout.temperature):
+            tail = align_next_token(model(**kwargs).logits, mask[:, start - 1:])
+    else:  # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V]
+        tail = token_logprobs(model(**kwargs).logits, ids[:, start - 1:], mask[:, start - 1:],
+                              temperature=layout.temperature)
+    return torch.nn.functional.pad(tail, (start - 1, 0))
+
+
+def _packed(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
+    """Choice 4: one padding-free row. Without an attention mask transformers reads the documents off
+    the restarting position ids; the varlen kernel is told their borders instead."""
+    cfg, dev = layout.cfg, layout.device
+    lengths = mb.attention_mask.sum(-1).tolist()
+    sequences = [row[:n].tolist() for row, n in zip(mb.input_ids, lengths)]
+    total = sum(lengths)
+    if layout.fixed_pack and total < cfg.max_tokens_per_micro_batch:
+        # Choice 8: one shape for every packed row, so the compiled kernel is built once: a
+        # filler document (its own block of the mask, its outputs dropped) tops the row up.
+        sequences.append([0] * (cfg.max_tokens_per_micro_batch - total))
+    packed, positions, cu = pack_sequences(sequences, device=dev)
+    kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
+    if layout.varlen:
+        kwargs |= varlen_kwargs(cu)
+    if cfg.fused_head:
+        with output_head(model).scoring(next_token_targets(packed), layout.temperature):
+            flat = align_next_token(model(**kwargs).logits, ~sequence_starts(cu, packed.shape[1])[None])[0]
+    else:
+        flat = packed_token_logprobs(model(**kwargs).logits, packed, cu, temperature=layout.temperature)[0]
+    out = torch.zeros(mb.input_ids.shape, dtype=flat.dtype, device=dev)
+    out = out.masked_scatter(mb.attention_mask.to(dev), flat[:total])  # row-major order = packing order
+    return out.masked_fill(~mb.loss_mask.to(dev).bool(), 0.0)
+
+
+def first_scored_column(loss_mask: torch.Tensor) -> int:
+    """The first column any row scores (at least 1: column 0 is never scored); 1 for an all-False
+    mask (a dummy micro-batch)."""
+    cols = loss_mask.bool().any(0).nonzero()
+    return max(1, int(cols[0])) if cols.numel() else 1

@@ -1,0 +1,236 @@
+"""benchmarks/run.py's scheduling of sides over GPUs (`--parallel`), its per-GPU memory peaks and
+the tuned row (`--tuned`), on CPU: canned nvidia-smi output and stand-in sides, no training run.
+No timings: those are the benchmark's output, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+
+import pytest
+
+from benchmarks import run
+from benchmarks.summary import build_record, merge_peaks, out_of_memory, parse_gpu_query, report_text, waves
+from benchmarks.workloads import (
+    WORKLOADS,
+    side_plan,
+    trl_batch_candidates,
+    trl_dpo_kwargs,
+    trl_grpo_kwargs,
+    trl_tuned_overrides,
+)
+from rlhf.config import explicit_keys, load_config
+from rlhf.planner.memory import PLAN_KEYS
+
+GRPO_GPU_SIDES = {"ours": 1, "trl-vllm": 1, "ours-gen": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# Which side runs when, on which GPUs
+
+
+def test_one_gpu_or_none_runs_the_sides_in_turn():
+    assert waves(GRPO_GPU_SIDES, [], parallel=True) == [{"ours": []}, {"trl-vllm": []}, {"ours-gen": []}]
+    assert waves(GRPO_GPU_SIDES, ["0"], parallel=True) == [{"ours": ["0"]}, {"trl-vllm": ["0"]}, {"ours-gen": ["0"]}]
+
+
+def test_two_gpus_run_ours_and_trl_at_once_then_the_rest():
+    assert waves(GRPO_GPU_SIDES, ["0", "1"], parallel=True) == [{"ours": ["0"], "trl-vllm": ["1"]}, {"ours-gen": ["0"]}]
+    # Without --parallel the same host runs them in turn, each on the first GPU.
+    assert waves(GRPO_GPU_SIDES, ["0", "1"], parallel=False) == [{"ours": ["0"]}, {"trl-vllm": ["0"]},
+                                                                 {"ours-gen": ["0"]}]
+    # CUDA_VISIBLE_DEVICES=2,3: the GPUs handed out are those.
+    assert waves({"ours": 1, "trl-vllm": 1}, ["2", "3"], parallel=True) == [{"ours": ["2"], "trl-vllm": ["3"]}]
+
+
+def test_four_gpus_fit_every_side_with_disjoint_gpus():
+    needs = {**GRPO_GPU_SIDES, "ours-tuned": 1, "trl-vllm-tuned": 1}
+    assert waves(needs, ["0", "1", "2", "3"], parallel=True) == [
+        {"ours": ["0"], "trl-vllm": ["1"], "ours-gen": ["2"], "ours-tuned": ["3"]}, {"trl-vllm-tuned": ["0"]}]
+    # A two-GPU side takes two; one that needs more than the host has runs alone on all of them.
+    assert waves({"ours": 2, "trl-vllm": 1, "ours-gen": 1}, ["0", "1", "2", "3"], parallel=True) == [
+        {"ours": ["0", "1"], "trl-vllm": ["2"], "ours-gen": ["3"]}]
+    assert waves({"ours": 3, "trl-vllm": 1}, ["0", "1"], parallel=True) == [{"ours": ["0", "1"]}, {"trl-vllm": ["0"]}]
+
+
+def test_gpus_needed_follow_the_config(tmp_path):
+    from benchmarks.workloads import gpus_needed
+
+    w = WORKLOADS["grpo-gpu"]
+    for side in ("ours", "trl-vllm", "ours-gen", "ours-tuned", "trl-vllm-tuned"):
+        assert gpus_needed(*side_plan(w, side, str(tmp_path), str(tmp_path / "model")), side) == 1
+    base = side_plan(w, "ours", str(tmp_path), str(tmp_path / "model"))[1]
+    two = [*base, "learner.num_ranks=2"]
+    assert gpus_needed(w, two, "ours") == 2
+    assert gpus_needed(w, [*two, "cluster.placement=split"], "ours") == 3  # `auto` engines count as one
+
+
+def test_visible_gpus_from_cuda_visible_devices():
+    assert run.visible_gpus({"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert run.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def _args(**kw):
+    base = dict(parallel=True, side_timeout=60, threads=None, trl_batch=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("gpus", [[], ["0"]])
+def test_parallel_falls_back_to_in_turn_below_two_gpus(monkeypatch, tmp_path, capsys, gpus):
+    monkeypatch.setattr(run, "visible_gpus", lambda env: gpus)
+    calls = []
+    monkeypatch.setattr(run, "run_side", lambda w, side, g, *a, **kw: calls.append((side, g)) or
+                        {"side": side, "ok": True, "gpus": g, "overrides": [side]})
+    results, overrides, schedule = run.run_sides(WORKLOADS["grpo-gpu"], ["ours", "trl-vllm"], _args(),
+                                                 model_path=str(tmp_path / "model"), workdir=tmp_path, env={})
+    assert calls == [("ours", gpus), ("trl-vllm", gpus)] and overrides == ["ours"]
+    assert schedule == {"concurrent": False, "waves": [{"ours": gpus}, {"trl-vllm": gpus}]}
+    assert f"[bench] --parallel: {len(gpus)} GPU(s) for this workload, so the sides run in turn" in capsys.readouterr().out
+
+
+def test_two_gpus_run_both_sides_at_once_and_a_failure_keeps_the_other_record(monkeypatch, tmp_path):
+    monkeypatch.setattr(run, "visible_gpus", lambda env: ["0", "1"])
+    both_started = threading.Barrier(2, timeout=30)  # each side waits for the other: they overlap, or this fails
+
+    def side(w, name, gpus, *a, **kw):
+        both_started.wait()
+        if name == "trl-vllm":
+            raise RuntimeError("side crashed")
+        return {"side": name, "ok": True, "gpus": gpus, "overrides": []}
+
+    monkeypatch.setattr(run, "run_side", side)
+    results, _, schedule = run.run_sides(WORKLOADS["grpo-gpu"], ["ours", "trl-vllm"], _args(),
+                                         model_path=str(tmp_path / "model"), workdir=tmp_path, env={})
+    assert schedule == {"concurrent": True, "waves": [{"ours": ["0"], "trl-vllm": ["1"]}]}
+    assert results["ours"]["ok"] and results["ours"]["gpus"] == ["0"]
+    assert not results["trl-vllm"]["ok"] and results["trl-vllm"]["gpus"] == ["1"]
+    assert "RuntimeError: side crashed" in results["trl-vllm"]["error"]
+
+
+def test_a_side_runs_pinned_with_its_own_ray_folder_and_keeps_its_record(monkeypatch, tmp_path):
+    w = WORKLOADS["grpo-gpu"].tiny()
+    metrics = [{"step": k, "timing/step_s": 2.0, "response_len/mean": 16.0, "reward/mean": 0.5} for k in range(3)]
+    seen = []
+
+    def fake_ours(sw, overrides, side_dir, env, timeout):
+        seen.append((env["CUDA_VISIBLE_DEVICES"], env["RAY_TMPDIR"]))
+        return {"ok": True, "metrics": metrics if len(seen) == 1 else [{"step": 0, "timing/step_s": 1.0}],
+                "wall_s": 1.0}
+
+    monkeypatch.setattr(run, "run_ours", fake_ours)
+    monkeypatch.setattr(run, "step_prompt_tokens", lambda w, overrides: [100] * w.steps)
+    env = {"RAY_TMPDIR": str(tmp_path / "ray")}
+    ok = run.run_side(w, "ours", ["1"], _args(), model_path=None, workdir=tmp_path, env=env)
+    assert [s["step"] for s in ok["steps"]] == [0, 1, 2] and ok["gpus"] == ["1"]
+    bad = run.run_side(w, "ours", ["1"], _args(), model_path=None, workdir=tmp_path, env=env)
+    assert not bad["ok"] and "KeyError" in bad["error"]  # the run's record stays, saying why it has no steps
+    (gpu, ray_ok), (_, ray_bad) = seen
+    assert gpu == "1" and ray_ok != ray_bad and ray_ok.startswith(env["RAY_TMPDIR"])
+    assert bad["ray_tmpdir"] == ray_bad and (tmp_path / "ray").is_dir()
+    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == [ray_bad.rsplit("/", 1)[1]]  # a failed side's stays
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU memory: per GPU the side was given, never summed over the host
+
+
+NVIDIA_SMI = "0, 40960\n1, 1024\n2, [N/A]\n\n"
+
+
+def test_nvidia_smi_per_gpu_parsing_and_peaks():
+    assert parse_gpu_query(NVIDIA_SMI) == {"0": 40.0, "1": 1.0}
+    assert parse_gpu_query("") == {}
+    peaks = {}
+    for sample in ({"0": 10.0, "1": 70.0}, {"0": 30.0, "1": 5.0}, {"0": 20.0}):
+        peaks = merge_peaks(peaks, sample, ["0"])
+    assert peaks == {"0": 30.0}  # GPU 1 belongs to another side
+    assert merge_peaks({"0": 1.0}, {"0": 0.5, "1": 2.0}, None) == {"0": 1.0, "1": 2.0}  # unpinned: every GPU
+
+
+def test_launch_keeps_the_peak_of_each_gpu_it_was_given(monkeypatch, tmp_path):
+    samples = iter([{"0": 70.0, "1": 3.0}, {"0": 71.0, "1": 9.0}, {"0": 72.0, "1": 6.0}])
+    monkeypatch.setattr(run, "gpu_query", lambda field: next(samples, {"0": 72.0, "1": 6.0}))
+    out = run.launch([sys.executable, "-c", "import time; time.sleep(0.5)"], env={"CUDA_VISIBLE_DEVICES": "1"},
+                     log=tmp_path / "log.txt", metrics=None, timeout=60, poll_s=0.05)
+    assert out["returncode"] == 0
+    assert out["peak_gpu_gib_per_gpu"] == {"1": 9.0} and out["peak_gpu_gib"] == 9.0  # GPU 0's 72 GiB is not its
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuned row
+
+
+def test_sides_of_adds_the_tuned_row():
+    w = WORKLOADS["grpo-gpu"]
+    assert run.sides_of(w, None) == ["ours", "trl-vllm", "ours-gen"]
+    assert run.sides_of(w, None, tuned=True) == ["ours", "trl-vllm", "ours-tuned", "trl-vllm-tuned", "ours-gen"]
+    assert run.sides_of(w, ["trl-vllm-tuned"]) == ["trl-vllm-tuned"]
+
+
+def test_tuned_sides_keep_the_samples_per_step(tmp_path):
+    w = WORKLOADS["grpo-gpu"]
+    model = str(tmp_path / "model")
+    base_w, base = side_plan(w, "ours", str(tmp_path / "a"), model)
+    tuned_w, tuned = side_plan(w, "ours-tuned", str(tmp_path / "b"), model)
+    assert tuned_w.recipe == w.planned_recipe and "memory.plan=auto" in tuned
+    # Nothing the planner chooses is pinned, but the backend the recipe names.
+    assert explicit_keys(tuned_w.recipe, tuned) & set(PLAN_KEYS) == {"learner.backend"}
+    ours, ours_tuned = load_config(base_w.recipe, base), load_config(tuned_w.recipe, tuned)
+    samples = ours.grpo.prompts_per_step * ours.grpo.group_size
+    assert samples == ours_tuned.grpo.prompts_per_step * ours_tuned.grpo.group_size == 512
+    assert ours_tuned.memory.plan == "auto" and ours_tuned.generation.max_new_tokens == 512
+    for batch in (64, 32):
+        cfg = load_config(w.recipe, trl_tuned_overrides(w, base, batch))
+        trl = trl_grpo_kwargs(cfg, use_vllm=True, ignore_eos=True, output_dir="x", use_cpu=False)
+        assert trl["per_device_train_batch_size"] == batch
+        assert trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] == samples
+    dpo = WORKLOADS["dpo-cpu"]
+    cfg = load_config(dpo.recipe, trl_tuned_overrides(dpo, side_plan(dpo, "trl", str(tmp_path), None)[1], 4))
+    trl = trl_dpo_kwargs(cfg, output_dir="x", use_cpu=True)
+    assert (trl["per_device_train_batch_size"], trl["gradient_accumulation_steps"]) == (4, 2)  # 8 pairs a step
+
+
+def test_trl_batch_rule_starts_by_gpu_memory_and_halves():
+    w = WORKLOADS["grpo-gpu"]  # 512 completions a step, micro-batch 16
+    assert trl_batch_candidates(w, 79.2) == [32, 16, 8, 4, 2, 1]
+    assert trl_batch_candidates(w, 139.8) == [64, 32, 16, 8, 4, 2, 1]
+    assert trl_batch_candidates(w, None) == [16, 8, 4, 2, 1]  # CPU, or an unknown GPU
+    assert trl_batch_candidates(w, 79.2, fixed=128) == [128]
+    with pytest.raises(ValueError, match="does not divide"):
+        trl_batch_candidates(w, 79.2, fixed=48)
+    assert trl_batch_candidates(w.tiny(), 79.2) == [16, 8, 4, 2, 1]  # capped at the step's 16 samples
+    assert out_of_memory({"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"})
+    assert not out_of_memory({"error": "ValueError: no KV cache blocks"})
+
+
+def test_record_and_tables_of_a_concurrent_run_with_the_tuned_row():
+    def side(step_s, gpus, **extra):
+        steps = [{"step": k, "step_s": step_s, "generate_s": 1.0, "gen_tokens": 100.0, "train_s": 1.0,
+                  "train_tokens": 200.0, "reward_mean": 0.5} for k in range(3)]
+        return {"ok": True, "steps": steps, "gpus": gpus, "peak_gpu_gib": 60.0, **extra}
+
+    sides = {"ours": side(20.0, ["0"], memory_keys={"learner.micro_batch_size": 16}),
+             "trl-vllm": side(30.0, ["1"], trl_config={"per_device_train_batch_size": 16,
+                                                       "gradient_accumulation_steps": 32}),
+             "ours-tuned": side(15.0, ["0"], memory_keys={"learner.max_tokens_per_micro_batch": 12288}),
+             "trl-vllm-tuned": side(25.0, ["1"], trl_config={"per_device_train_batch_size": 32,
+                                                             "gradient_accumulation_steps": 16})}
+    schedule = {"concurrent": True, "waves": [{"ours": ["0"], "trl-vllm": ["1"]},
+                                              {"ours-tuned": ["0"], "trl-vllm-tuned": ["1"]}]}
+    record = build_record(workload=WORKLOADS["grpo-gpu"].to_dict(), time="t", command="c", git={"commit": "abc"},
+                          machine={}, versions={}, env={}, overrides=[], sides=sides, notes=[], schedule=schedule)
+    assert record["schedule"] == schedule
+    assert record["ratios"]["trl-vllm"]["step_s"] == pytest.approx(20 / 30)
+    assert record["ratios"]["trl-vllm-tuned"]["step_s"] == pytest.approx(15 / 25)  # against ours-tuned
+    json.dumps(record)
+    lines = report_text(record).splitlines()
+    assert "| metric | ours | trl-vllm | ours/trl-vllm |" in lines
+    assert "| metric | ours-tuned | trl-vllm-tuned | ours-tuned/trl-vllm-tuned |" in lines
+    assert "| GPUs (nvidia-smi index) | 0 | 1 | - |" in lines
+    assert "| learner micro-batch | <= 12288 tokens | 32 x 16 accumulated | - |" in lines
+    assert "| peak GPU memory GiB, nvidia-smi, busiest GPU of the side (lower is better) | 60 | 60 | 1 |" in lines
+    assert lines[-1] == ("sides ran at the same time, each on its own GPUs: ours on GPU 0, trl-vllm on GPU 1 | "
+                         "then ours-tuned on GPU 0, trl-vllm-tuned on GPU 1")
