@@ -61,7 +61,8 @@ def test_weighted_mixing_with_a_function(rm_path):
     finally:
         scorer.close()
     torch.testing.assert_close(rewards, 2.0 * exact + 0.5 * rm_scores)
-    assert metrics[f"reward/rm_{rm_path.name}/mean"] == pytest.approx(float(rm_scores.mean()))
+    # The pool scores in batches of 2, the reference all rows at once: fp32 rounding apart by ~1e-6.
+    assert metrics[f"reward/rm_{rm_path.name}/mean"] == pytest.approx(float(rm_scores.mean()), rel=1e-5)
     assert metrics["reward/exact_answer/mean"] == pytest.approx(2 / 3)
     assert metrics["reward/mean"] == pytest.approx(float(rewards.mean()))
     alone = PoolScorer([RewardFnConfig(model=str(rm_path), weight=-1.0)], tokenizer=tokenizer, timeout_s=10,

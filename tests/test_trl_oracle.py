@@ -41,6 +41,9 @@ from rlhf.algo.objectives import DPOObjective, GRPOObjective, PreferenceBatch, r
 from rlhf.types import TrainBatch
 
 TIGHT = {"rtol": 1e-6, "atol": 1e-6}
+ENTROPY = {"rtol": 1e-5, "atol": 1e-5}
+"""Entropies: ours is logsumexp - E[logits], TRL's -sum(p log p); in fp32 the two formulas round
+apart by up to 1.2e-6 on an AVX2 CPU (values ~2.5), past TIGHT."""
 
 
 class FakeAccelerator:
@@ -300,4 +303,4 @@ def test_token_logprobs_and_entropy_match_trl(temperature):
     trl = selective_log_softmax(logits[:, :-1], ids[:, 1:], temperature=temperature)
     assert_close(ours[:, 1:], trl, **TIGHT)
     ours_h = entropy_from_logits(logits, temperature=temperature, chunk_tokens=4)
-    assert_close(ours_h[:, 1:], trl_entropy(logits[:, :-1] / temperature), **TIGHT)
+    assert_close(ours_h[:, 1:], trl_entropy(logits[:, :-1] / temperature), **ENTROPY)
