@@ -14,9 +14,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Checkpoints are signed with a per-user key (rlhf.run.signing): the tests, and the runs they start as
 # subprocesses, use one of their own instead of creating the user's ~/.config/rlhf/checkpoint.key.
 if "RLHF_KEY_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["RLHF_KEY_DIR"] = tempfile.mkdtemp(prefix="rlhf-test-keys-")
+    # The process that made it outlives the runs and workers that inherit it: remove it at its exit.
+    atexit.register(shutil.rmtree, os.environ["RLHF_KEY_DIR"], True)
 
 
 def _has_gpu() -> bool:
