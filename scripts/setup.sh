@@ -51,7 +51,7 @@ else
   # The lock is the full freeze of a known-good CPU environment; it keeps transitive versions stable.
   if [[ $RLHF_DEVICE == cpu && -f requirements/lock-py$pyver.txt ]]; then constraints=(-c requirements/lock-py$pyver.txt); fi
   # Constraint files take no extras: derive one from the pins.
-  pin_constraints=$(mktemp); sed 's/\[[^]]*\]//' requirements/pins.txt > "$pin_constraints"
+  pin_constraints=$(mktemp); trap 'rm -f "$pin_constraints"' EXIT; sed 's/\[[^]]*\]//' requirements/pins.txt > "$pin_constraints"
   export DS_BUILD_OPS=0   # DeepSpeed: JIT-build ops on first use instead of at install time
   "${install[@]}" -r requirements/pins.txt "${constraints[@]}"
   # Experiment trackers behind logging.backends (tensorboard, wandb, mlflow-skinny): a few seconds.
