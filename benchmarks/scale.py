@@ -33,7 +33,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -54,6 +53,7 @@ from benchmarks.run import (  # noqa: E402
     run_ours,
     step_prompt_tokens,
     versions,
+    visible_gpus,
 )
 from benchmarks.summary import format_value, ours_grpo_steps, steady, summarize  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
@@ -272,18 +272,6 @@ def name_list(text: str, known: Iterable[str], what: str) -> list[str]:
 
 def _layout_list(text: str) -> list[str]:
     return name_list(text, LAYOUTS, "layout")
-
-
-def visible_gpus(env: dict[str, str]) -> list[str]:
-    """The GPUs this script may hand out: CUDA_VISIBLE_DEVICES's entries if it is set, else every
-    GPU nvidia-smi lists; [] on a machine without them."""
-    if env.get("CUDA_VISIBLE_DEVICES") is not None:
-        return [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
-    if shutil.which("nvidia-smi") is None:
-        return []
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout
-    return [line.strip() for line in out.splitlines() if line.strip()]
 
 
 def layout_overrides(layout: Layout, *, on_gpu: bool) -> list[str]:
