@@ -4,34 +4,25 @@ The only file that runs `deepspeed` (actors/torch_extensions.py builds its ops a
 backend shares (micro-batching, the train and log-prob loops, metrics, weight buckets, HF export) is
 `actors.learner_base.LearnerRank`, which holds this.
 
-Choices:
-1. Gradient accumulation belongs to LearnerRank, which runs a variable number of micro-batches
-   per step, each loss already divided by the step's global denominator. So the engine runs with
-   `managed_gradient_accumulation: false` and `gradient_accumulation_steps: 1`: `backward` only
-   accumulates (never rescaled by a GAS count), `step()` is the boundary where ZeRO finalizes the
-   reduced gradients, clips to `learner.max_grad_norm`, steps AdamW and the warm-up scheduler.
-   ZeRO averages gradients over ranks, which LearnerRank's `loss * world_size` undoes.
-2. The optimizer is torch's AdamW handed to DeepSpeed as a client optimizer (no fused op to build;
-   the same update as FSDP2), or DeepSpeedCPUAdam with `learner.offload_optimizer` (ZeRO-Offload
-   requires it; on a machine without a prebuilt op it is JIT-compiled on first use).
-   `model.dtype: bfloat16` turns on DeepSpeed's bf16 mode: bf16 module and compute, fp32 master
-   weights, gradients reduced and accumulated in fp32 (the user's JSON may trade that for speed). DeepSpeed makes the masters from the bf16-cast module, so an
-   fp32 checkpoint loses its low mantissa bits once at start-up (FSDP2 keeps them).
-3. The frozen reference model is a ZeRO-3 inference engine for both stages (no optimizer): ZeRO-2
-   shards only optimizer state and gradients, which a frozen model has none of, so stage 3 is the
-   only way it is sharded.
-4. `learner.deepspeed_config` (JSON) is merged over the generated config; the keys the learner
-   owns (batch sizes, accumulation, ZeRO stage, clipping, dtype, optimizer, scheduler) are set
-   from our config after the merge, and HF Trainer's "auto" placeholders are dropped.
-5. Resumable state is DeepSpeed's own checkpoint (`engine.save_checkpoint`: fp32 master weights,
-   optimizer and scheduler, sharded per rank) under `train_state/`, written after the HF export
-   (rlhf.run.checkpoint choice 6). DeepSpeed's files are pickles it reads with `weights_only=False`;
-   the driver loads only checkpoints signed on this machine (rlhf.run.checkpoint choice 4), and as a
-   second defence the engine's checkpoint reader is swapped for a weights-only one that knows
-   DeepSpeed's few state classes (`weights_only_load`).
-6. LoRA (learner_base choice 9): PEFT wraps the model before `deepspeed.initialize`, and the
-   optimizer gets only the adapters; ZeRO then keeps fp32 masters and moments for them alone and
-   leaves the frozen base weights in the module (sharded too under ZeRO-3).
+Decisions (docs/design/learners.md, "DeepSpeed ZeRO", has the reasons at length):
+- Accumulation is the learner's: LearnerRank runs a variable number of micro-batches per step, each
+  loss already divided by the step's global denominator, so the engine runs with
+  `managed_gradient_accumulation: false` and `gradient_accumulation_steps: 1`: `backward` only
+  accumulates, `step()` is the boundary where ZeRO reduces, clips, steps AdamW and the scheduler.
+- Optimizer and precision: torch's AdamW as a client optimizer (the same update as FSDP2), or
+  DeepSpeedCPUAdam with `learner.offload_optimizer`. `model.dtype: bfloat16` is DeepSpeed's bf16
+  mode: bf16 module and compute, fp32 masters made from the bf16-cast module, fp32 gradients.
+- Reference model: a ZeRO-3 inference engine for both stages, the only stage that shards a frozen
+  model (ZeRO-2 shards optimizer state and gradients, which it has none of).
+- User JSON: `learner.deepspeed_config` is merged over the generated config; the keys the learner
+  owns (batch sizes, accumulation, ZeRO stage, clipping, dtype, optimizer, scheduler) are set again
+  after the merge, and HF Trainer's "auto" placeholders are dropped.
+- Resumable state: DeepSpeed's own checkpoint (`engine.save_checkpoint`) under `train_state/`,
+  written after the HF export (`rlhf.run.checkpoint`, "Model first"). Its files are pickles; the
+  driver loads only checkpoints signed on this machine (`rlhf.run.checkpoint`, "No foreign
+  pickle"), and the engine's reader is swapped for a weights-only one (`weights_only_load`).
+- LoRA (actors/learner_base.py, "LoRA"): PEFT wraps the model before `deepspeed.initialize` and the
+  optimizer gets only the adapters, so ZeRO keeps fp32 masters and moments for them alone.
 """
 
 from __future__ import annotations
@@ -88,7 +79,7 @@ class DeepSpeedSharding:
         deepspeed.utils.logger.setLevel(logging.WARNING)
         config = train_config(cfg, ctx.model_cfg, ctx.world_size, pin_memory=ctx.device.kind == "cuda")
         clear_stale_build_locks()  # DeepSpeed builds its ops (CPU Adam, shm collectives) just in time
-        model, self.lora_targets = learner_model(model_path, cfg, ctx.device.kind, trainable=True)  # choice 6
+        model, self.lora_targets = learner_model(model_path, cfg, ctx.device.kind, trainable=True)  # LoRA
         trainable = [p for p in model.parameters() if p.requires_grad]
         if cfg.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -129,19 +120,19 @@ class DeepSpeedSharding:
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
         keep = self.ctx.rank == 0 if keep is None else keep
         for name, param in self.engine.module.named_parameters():
             if only is not None and not only(name):
                 continue
             if self.cfg.zero_stage == 2:  # every rank holds the full (compute-dtype) parameters
-                yield name, param.detach()
+                yield name, param.detach().to(dtype or param.dtype)
                 continue
             # ZeRO-3: gather this one parameter on every rank; the ranks that keep it copy it out.
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                full = param.detach().clone() if keep else None
+                full = param.detach().to(dtype or param.dtype, copy=True) if keep else None
             yield name, full
 
     def save_state(self, folder: Path) -> None:
@@ -149,7 +140,7 @@ class DeepSpeedSharding:
         self.engine.save_checkpoint(str(folder), tag=_TAG)
 
     def load_state(self, folder: Path) -> None:
-        """What `save_state` wrote, reading no pickle that could run code (choice 5)."""
+        """What `save_state` wrote, reading no pickle that could run code ("Resumable state")."""
         self.engine.checkpoint_engine.load = weights_only_load
         loaded, _ = self.engine.load_checkpoint(str(folder), tag=_TAG, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
@@ -158,7 +149,7 @@ class DeepSpeedSharding:
 
 
 def weights_only_load(path: str, map_location: Any = None) -> Any:
-    """A DeepSpeed state file through torch's weights-only unpickler (choice 5): tensors, plain
+    """A DeepSpeed state file through torch's weights-only unpickler ("Resumable state"): tensors, plain
     containers and DeepSpeed's loss-scaler, ZeRO-stage and fragment-address records; a pickle
     that names anything else is refused before it runs."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -172,7 +163,7 @@ def weights_only_load(path: str, map_location: Any = None) -> Any:
 def train_config(cfg: LearnerConfig, model_cfg: ModelConfig, world_size: int, *,
                  pin_memory: bool) -> dict[str, Any]:
     """The training engine's DeepSpeed config: generated, the user's JSON merged over it, then the
-    keys the learner owns set again (see the module docstring, choice 4)."""
+    keys the learner owns set again ("User JSON" in the module docstring)."""
     zero: dict[str, Any] = {"stage": cfg.zero_stage}
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}

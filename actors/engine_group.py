@@ -63,7 +63,7 @@ class EngineGroup:
         self.group.call("wake")
 
     def shutdown(self) -> None:
-        self.group.shutdown(process_exits=True)  # each engine is killed next (VLLMGenerator choice 14)
+        self.group.shutdown(process_exits=True)  # each engine is killed next (VLLMGenerator.shutdown)
 
 
 class EngineGeneration:

@@ -3,25 +3,26 @@
 The only FSDP-specific file; what every backend shares (micro-batching, the train and log-prob
 loops, metrics, weight buckets, HF export) is `actors.learner_base.LearnerRank`, which holds this.
 
-Choices:
-1. Parameters are kept in fp32 (master weights); `model.dtype: bfloat16` runs forward/backward in
-   bf16 through FSDP2's MixedPrecisionPolicy, with fp32 gradient reduction.
-2. Each decoder layer is its own FSDP unit, then the root: layer-by-layer all-gather overlaps with
-   compute, and only one layer is unsharded at a time.
-3. Resumable state is torch.distributed.checkpoint (sharded model + optimizer) plus the scheduler;
-   the HF export next to it is gathered parameter by parameter, and written first (a save that
-   fails on the train state still leaves a whole model: rlhf.run.checkpoint choice 6). DCP pickles its
-   `.metadata`; the driver loads only checkpoints signed on this machine (rlhf.run.checkpoint choice
-   4), and as a second defence the learner reads that file with an unpickler that builds only
-   DCP's metadata classes, and DCP's non-tensor items (optimizer hyper-parameters) weights-only.
-4. LoRA (learner_base choice 9): PEFT wraps the model before `fully_shard`, so each decoder layer's
-   FSDP unit holds its frozen base weights and its adapters together (FSDP2 allows mixed
-   requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
-   is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only
-   the adapters' moments), so resume is exact as without LoRA.
-5. `learner.cast_once_per_step`: FSDP2's gradient-accumulation switches keep every layer gathered
-   in the compute dtype from the step's first forward to its last backward, so the fp32 -> bf16
-   cast and the all-gather happen once per step, not twice per micro-batch.
+Decisions (docs/design/learners.md, "FSDP2"):
+- fp32 masters: parameters are kept in fp32; `model.dtype: bfloat16` runs forward/backward in bf16
+  through FSDP2's MixedPrecisionPolicy, with fp32 gradient reduction.
+- One unit per layer: each decoder layer is its own FSDP unit, then the root: layer-by-layer
+  all-gather overlaps with compute, and only one layer is unsharded at a time.
+- Resumable state: torch.distributed.checkpoint (sharded model + optimizer) plus the scheduler; the
+  HF export next to it is gathered parameter by parameter, and written first (a save that fails on
+  the train state still leaves a whole model: `rlhf.run.checkpoint`, "Model first"). DCP pickles
+  its `.metadata`; the driver loads only checkpoints signed on this machine (`rlhf.run.checkpoint`,
+  "No foreign pickle"), and as a second defence the learner reads that file with an unpickler that
+  builds only DCP's metadata classes, and DCP's non-tensor items (optimizer hyper-parameters)
+  weights-only.
+- LoRA (actors/learner_base.py, "LoRA"): PEFT wraps the model before `fully_shard`, so each decoder
+  layer's FSDP unit holds its frozen base weights and its adapters together (FSDP2 allows mixed
+  requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
+  is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only the
+  adapters' moments), so resume is exact as without LoRA.
+- Cast once per step (`learner.cast_once_per_step`): FSDP2's gradient-accumulation switches keep
+  every layer gathered in the compute dtype from the step's first forward to its last backward, so
+  the fp32 -> bf16 cast and the all-gather happen once per step, not twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class FSDP2Sharding:
         self.scheduler = make_scheduler(self.optimizer, self.cfg.warmup_steps)
 
     def _build(self, model_path: str, *, trainable: bool) -> torch.nn.Module:
-        # Choice 4: LoRA adapters before sharding (PEFT froze the base weights), kernels too.
+        # LoRA adapters before sharding (PEFT froze the base weights), kernels too.
         model, targets = learner_model(model_path, self.cfg, self.ctx.device.kind, trainable=trainable)
         layers = decoder_layers(model)
         lora = trainable and self.cfg.lora_rank > 0
@@ -73,7 +74,7 @@ class FSDP2Sharding:
         mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.ctx.model_cfg.dtype), reduce_dtype=torch.float32)
         # reshard_after_forward=False keeps each layer's gathered weights from forward to backward
         # (ZeRO-2-like: memory for one all-gather less per layer); the frozen reference has no backward.
-        # Choice 5 keeps them for the whole step.
+        # `cast_once_per_step` keeps them for the whole step.
         reshard = (self.cfg.reshard_after_forward and not self.cfg.cast_once_per_step) or not trainable
         for layer in layers:
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
@@ -88,7 +89,7 @@ class FSDP2Sharding:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def micro_batch(self, last: bool) -> None:
-        """Choice 5: with `cast_once_per_step`, only the step's last micro-batch reshards the layers
+        """Cast once per step: with `cast_once_per_step`, only the step's last micro-batch reshards the layers
         and reduces the gradients accumulated (unsharded, fp32) over the step."""
         if self.cfg.cast_once_per_step:
             self.model.set_requires_gradient_sync(last)
@@ -109,16 +110,15 @@ class FSDP2Sharding:
     def current_lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
-        # full_tensor() all-gathers: every rank gets the full tensor whether it keeps it or not.
         for name, param in self.model.named_parameters():
             if only is None or only(name):
-                yield name, param.full_tensor() if isinstance(param, DTensor) else param
+                yield name, full_tensor(param.detach(), dtype)
 
     def save_state(self, folder: Path) -> None:
-        """The sharded model and optimizer (torch.distributed.checkpoint) and the scheduler (choice 3)."""
+        """The sharded model and optimizer (torch.distributed.checkpoint) and the scheduler."""
         import torch.distributed.checkpoint as dcp
 
         dcp.save(self._state(), checkpoint_id=str(folder))
@@ -126,7 +126,7 @@ class FSDP2Sharding:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
     def load_state(self, folder: Path) -> None:
-        """What `save_state` wrote, reading no pickle that could run code (choice 3)."""
+        """What `save_state` wrote, reading no pickle that could run code ("Resumable state")."""
         state = self._state()
         load_train_state(state, folder)
         set_model_state_dict(self.model, state["model"])
@@ -137,9 +137,20 @@ class FSDP2Sharding:
         return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
 
 
+def full_tensor(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The whole of a (possibly sharded) parameter on every rank, cast to `dtype` before the
+    all-gather so the collective moves the pushed bytes, not the fp32 master's. On a one-rank mesh
+    the local shard is the whole tensor: no collective at all."""
+    if dtype is not None:
+        param = param.to(dtype)
+    if not isinstance(param, DTensor):
+        return param
+    return param.to_local() if param.device_mesh.size() == 1 else param.full_tensor()
+
+
 def load_train_state(state: dict[str, Any], folder: Path) -> None:
     """torch.distributed.checkpoint's load of `folder` into `state`, with `.metadata` read by
-    `MetadataUnpickler` and the non-tensor items weights-only (choice 3)."""
+    `MetadataUnpickler` and the non-tensor items weights-only ("Resumable state")."""
     import torch.distributed.checkpoint as dcp
 
     reader = _SafeReader(str(folder))

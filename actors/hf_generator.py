@@ -5,21 +5,22 @@ and gives the same Completion as VLLMGenerator (token ids, sampled-token log-pro
 text: the reward scorer decodes both backends' ids the same way), so the loop and the weight syncs can
 be tested without an inference engine.
 
-Choices:
-1. Prompts are left-padded into one batch and repeated `n` times (`repeat_interleave`), so
-   result[i*n:(i+1)*n] answer prompt i, and greedy decoding with n > 1 works too.
-2. The model's own generation defaults (`generation_config.json`: Qwen ships top_k=20 and
-   repetition_penalty=1.05) are dropped at load; every sampling knob comes from SamplingSpec.
-3. Log-probs are `compute_transition_scores(..., normalize_logits=True)` over the processed
-   scores: the log-prob of the sampled token under the distribution it was drawn from (logits /
-   temperature, top-k/top-p renormalised; raw logits when greedy), like VLLMGenerator.
-4. Seeding never touches the caller's RNG: sampling runs under `torch.random.fork_rng`, seeded by
-   the seed of the call's first prompt (`SamplingSpec.prompt_seed(first_index)`), or by
-   (constructor seed, call count) when the call is unseeded, so a run is reproducible from its
-   seed. One RNG for the whole batch: unlike vLLM's per-prompt seeds, the samples depend on how
-   the prompts are batched (on the engine count, with several engines).
-5. Weight updates are `load_state_dict(bucket, strict=False)`: a bucket may hold any subset of the
-   tensors; a name the model does not have is an error, not a silent skip.
+Decisions:
+- One batch: prompts are left-padded into one batch and repeated `n` times (`repeat_interleave`),
+  so result[i*n:(i+1)*n] answer prompt i, and greedy decoding with n > 1 works too.
+- No model defaults: the model's own generation defaults (`generation_config.json`: Qwen ships
+  top_k=20 and repetition_penalty=1.05) are dropped at load; every sampling knob comes from
+  SamplingSpec.
+- Log-probs: `compute_transition_scores(..., normalize_logits=True)` over the processed scores: the
+  log-prob of the sampled token under the distribution it was drawn from (logits / temperature,
+  top-k/top-p renormalised; raw logits when greedy), like VLLMGenerator.
+- Seeding never touches the caller's RNG: sampling runs under `torch.random.fork_rng`, seeded by
+  the seed of the call's first prompt (`SamplingSpec.prompt_seed(first_index)`), or by
+  (constructor seed, call count) when the call is unseeded, so a run is reproducible from its
+  seed. One RNG for the whole batch: unlike vLLM's per-prompt seeds, the samples depend on how
+  the prompts are batched (on the engine count, with several engines).
+- Weight updates are `load_state_dict(bucket, strict=False)`: a bucket may hold any subset of the
+  tensors; a name the model does not have is an error, not a silent skip.
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ class HFGenerator:
         self.eos_ids = sorted(set(eos))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
-        model.generation_config = HFGenerationConfig()  # choice 2
+        model.generation_config = HFGenerationConfig()  # no model defaults
         self.model = model.to(self.device.torch_device(0)).eval()
 
     @torch.no_grad()
     def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec, first_index: int = 0
                  ) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n].
-        `first_index`: the step-wide index of prompt_ids[0] (its seed, choice 4)."""
+        `first_index`: the step-wide index of prompt_ids[0] (its seed: "Seeding" in the module docstring)."""
         from transformers import GenerationConfig as HFGenerationConfig
 
         dev = self.device.torch_device(0)
@@ -115,7 +116,7 @@ class HFGenerator:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy one bucket of HF-named tensors into the model (choice 5)."""
+        """Copy one bucket of HF-named tensors into the model ("Weight updates")."""
         unexpected = self.model.load_state_dict(dict(named_tensors), strict=False).unexpected_keys
         if unexpected:
             raise KeyError(f"update_weights: the model has no tensors named {unexpected[:5]}")

@@ -1,6 +1,7 @@
 """The Hugging Face model as the learner ranks use it: loaded in fp32 with the chosen attention
-kernel and the fused log-prob head (actors.learner_base choices 7 and 8), wrapped with LoRA
-adapters (choice 9), reached through a backend's wrapper, and exported as an HF folder."""
+kernel and the fused log-prob head ("Attention kernel" and "Fused head" in actors/learner_base.py),
+wrapped with LoRA adapters ("LoRA" there), reached through a backend's wrapper, and exported as an
+HF folder."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from rlhf.algo.logprobs import LogprobHead
+from rlhf.algo.logprobs import EAGER_HEAD, HeadKernels, LogprobHead
 from rlhf.config import LearnerConfig
 
 
 def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
-    """The learner's attention implementation (choice 8): `learner.attention`, where `auto` is
+    """The learner's attention implementation ("Attention kernel"): `learner.attention`, where `auto` is
     FlexAttention for packed rows on a GPU and SDPA otherwise, and `varlen` our registered
     FlashAttention varlen path (actors.learner_kernels)."""
     if cfg.attention == "varlen":
@@ -27,11 +28,11 @@ def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
 
 
 def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool,
-                  attention: str = "sdpa", liger_on: str | None = None) -> torch.nn.Module:
+                  attention: str = "sdpa", liger_on: str | None = None,
+                  head_kernels: HeadKernels = EAGER_HEAD) -> torch.nn.Module:
     """The model in fp32 (master weights; the backend casts for compute) with the `attention`
     kernel, Liger's kernels when `liger_on` names the device kind (actors.learner_kernels), its LM
-    head a `LogprobHead` when `fused_head` (choice 7: swapped before any sharding wrapper sees the
-    model)."""
+    head a `LogprobHead` when `fused_head` (swapped before any sharding wrapper sees the model)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
@@ -42,18 +43,24 @@ def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: 
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if fused_head:
-        model.set_output_embeddings(LogprobHead(model.get_output_embeddings()))
+        model.set_output_embeddings(LogprobHead(model.get_output_embeddings(), kernels=head_kernels))
     return model
 
 
 def learner_model(model_path: str, cfg: LearnerConfig, device_kind: str, *, trainable: bool
                   ) -> tuple[torch.nn.Module, list[str]]:
     """The model a learner backend shards, and its LoRA target names: loaded with the configured
-    kernels, LoRA adapters on a trainable one (choice 9), then each decoder layer compiled
+    kernels, LoRA adapters on a trainable one (`wrap_lora`), then each decoder layer compiled
     (`learner.compile`), all before any sharding wrapper sees it."""
+    if cfg.head_kernels == "fused":
+        from actors.learner_kernels import fused_head_kernels
+
+        head_kernels = fused_head_kernels(device_kind)
+    else:
+        head_kernels = EAGER_HEAD
     model = load_hf_model(model_path, gradient_checkpointing=trainable and cfg.gradient_checkpointing,
                           fused_head=cfg.fused_head, attention=attention_kernel(cfg, device_kind),
-                          liger_on=device_kind if cfg.liger else None)
+                          liger_on=device_kind if cfg.liger else None, head_kernels=head_kernels)
     layers, targets = decoder_layers(model), []
     if trainable and cfg.lora_rank > 0:
         model, targets = wrap_lora(model, cfg)
@@ -65,7 +72,7 @@ def learner_model(model_path: str, cfg: LearnerConfig, device_kind: str, *, trai
 
 
 def wrap_lora(model: torch.nn.Module, cfg: LearnerConfig) -> tuple[torch.nn.Module, list[str]]:
-    """The model with LoRA adapters on `learner.lora_target_modules` (choice 9) and the resolved
+    """The model with LoRA adapters on `learner.lora_target_modules` (rlhf.lora) and the resolved
     target leaf names. PEFT freezes every base parameter; only lora_A/lora_B train. B starts at 0,
     so the wrapped model computes exactly the base model until the first update."""
     from peft import LoraConfig, get_peft_model

@@ -8,47 +8,21 @@ model, the reference and the optimizer and answers five calls: `backward`, `opti
 `full_parameters` (full tensors one at a time, for weight sync and export), `current_lr`, and
 `save_state`/`load_state` of its own training state.
 
-Shared choices:
-1. Loss normalization is global: each rank's micro-batch losses are divided by the whole step's
-   denominator (tokens, sequences or pairs over all ranks), so gradients are exactly those of the
-   full-batch loss however the batch is split. Data-parallel backends average gradients over
-   ranks, so `backward` receives the loss already multiplied by world_size.
-2. Every rank runs the same number of forward/backward passes (sharded collectives need it): a
-   rank with fewer rows runs zero-weight dummy micro-batches.
-3. Batches are `TrainBatch` (GRPO) or `PreferenceBatch` (DPO: chosen and rejected of a pair in
-   the same micro-batch, so one forward pass scores both); nothing here tells them apart.
-4. `learner.pack_sequences`: the rows of a micro-batch go through the model as one padding-free
-   row with restarting position ids (transformers builds the per-document causal mask from them),
-   and the log-probs are unpacked back to [b, T]. Pays off with FlexAttention (choice 8).
-5. Unpacked, the LM head and the log-softmax run only from the column before a micro-batch's
-   first scored token on (`logits_to_keep`): prompt positions never need a vocabulary-wide
-   distribution, which is most of the work past the decoder layers on short completions.
-6. `learner.share_prompts`: the rows of a micro-batch that share a prompt (a GRPO group, a DPO
-   pair) run as one row, the prompt once and the completions after it under a block mask
-   (rlhf.algo.logprobs.share_prompts). Same log-probs; the prompt's compute is paid once per group.
-   A dense mask, so it pays off where prompts are long against completions or attention is cheap
-   (CPU, short sequences), not with flash-attention kernels on long completions.
-7. `learner.fused_head` (default): every model's `lm_head` is a `rlhf.algo.logprobs.LogprobHead`, so on
-   padded and packed micro-batches the model returns next-token log-probs computed chunk by chunk
-   from the hidden states: no [tokens x vocab] logits in forward or backward (shared-prompt
-   micro-batches use the head as a plain linear layer).
-8. Attention kernel (`attention_kernel`): `learner.attention`, by default FlexAttention for packed
-   rows on a GPU (its block mask skips the blocks between documents) and SDPA otherwise; `varlen`
-   sends packed rows through FlashAttention's variable-length kernel with the documents' borders.
-   FlexAttention compiles anew for every row length, so with a token budget each packed row is
-   topped up to exactly `max_tokens_per_micro_batch` by a filler document that attends to itself.
-   Padded rows go without the padding mask (`learner.padding_mask`), so SDPA can use flash. Fused
-   elementwise kernels (`learner.liger`, `learner.compile`) are actors.learner_kernels.
-9. LoRA (`learner.lora_rank > 0`, rlhf.lora): the model is wrapped by PEFT (`wrap_lora`) before any
-   sharding wrapper sees it; only the adapters train (the optimizer gets them alone) and the
-   reference is the same model under `disable_adapter()`, so no reference copy exists. Weights
-   leave the learner as `learner.lora_sync` says: `merged` (W + alpha/r * B @ A under the HF
-   names, an ordinary full push) or `adapter` (the A/B tensors only, PEFT file names). HF exports
-   are always merged; checkpoints also hold the adapter in PEFT format (`adapter/`).
-10. A step whose loss or global grad norm is NaN/inf on any rank is skipped (gradients dropped, no
-   optimizer or scheduler step; one all-reduce, so all ranks agree; DeepSpeed's engine does it
-   itself): `train/nonfinite_skipped` = 1. After an update, `train/nonfinite_params` = 1 says that
-   the weights' local shards hold NaN/inf. The driver decides what follows (rlhf.run.metrics.TrainHealth).
+Shared decisions, each a section of docs/design/learners.md:
+- Global loss normalization: micro-batch losses are divided by the step's denominator over all
+  ranks, so the gradient is the full batch's however it is split (`backward` gets loss * world_size).
+- Equal pass counts: a rank with fewer rows runs zero-weight dummy micro-batches.
+- Batches: `TrainBatch` (GRPO) or `PreferenceBatch` (DPO); nothing here tells them apart.
+- Packed rows (`learner.pack_sequences`): a micro-batch as one padding-free row.
+- Scored positions only: the head runs from the first scored token on (`logits_to_keep`).
+- Shared prompts (`learner.share_prompts`): a group's prompt runs once, under a block mask.
+- Fused head (`learner.fused_head`): log-probs chunk by chunk, never [tokens x vocab] logits.
+- Attention kernel (`attention_kernel`): FlexAttention for packed rows on a GPU, SDPA otherwise;
+  packed rows are topped up to the token budget so FlexAttention compiles once.
+- LoRA (`learner.lora_rank > 0`): PEFT wraps the model before any sharding wrapper; the reference
+  is the same model with its adapters off, so no reference copy exists.
+- Non-finite steps: a NaN/inf loss or grad norm on any rank skips the step on all of them; what
+  follows is the driver's (`rlhf.run.metrics.TrainHealth`).
 """
 
 from __future__ import annotations
@@ -115,20 +89,22 @@ class Sharding(Protocol):
 
     def micro_batch(self, last: bool) -> None:
         """Called before each micro-batch of a train step, with whether it is the step's last (where
-        a backend that accumulates unsharded reduces: actors/fsdp2_learner.py choice 5)."""
+        a backend that accumulates unsharded reduces: FSDP2's `cast_once_per_step`)."""
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradients of `loss` (already scaled for averaging over ranks: choice 1)."""
+        """Accumulate the gradients of `loss` (already scaled for averaging over ranks: "Global loss
+        normalization" in actors/learner_base.py)."""
 
     def optimizer_step(self) -> float:
         """Reduce, clip to `learner.max_grad_norm`, step the optimizer and the scheduler, zero the
         gradients; return the global gradient norm."""
 
-    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
+    def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None,
+                        dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         """(name, full tensor) of every weight (or of those whose name passes `only`), one at a
-        time; HF names, or PEFT's with LoRA. A rank that does not `keep` them (default: ranks other
-        than 0) may get None. A collective: every rank iterates the same names in the same order."""
+        time; HF names, or PEFT's with LoRA; cast to `dtype` when given, before any gathering (half
+        the bytes for a bf16 push of fp32 shards). A rank that does not `keep` them (default: ranks
+        other than 0) may get None. A collective: every rank iterates the same names in the same order."""
 
     def current_lr(self) -> float:
         """The learning rate of the last optimizer step."""
@@ -162,7 +138,7 @@ class LearnerRank:
             ray.get(start_after)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
-        self.lora = learner_cfg.lora_rank > 0  # choice 9
+        self.lora = learner_cfg.lora_rank > 0  # "LoRA" in the module docstring
         self.device = detect_device()
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(model_cfg.dtype)
@@ -174,7 +150,8 @@ class LearnerRank:
         # Every collective, the small bookkeeping ones too, runs on this device: NCCL takes no CPU tensors.
         self._dev = self.device.torch_device(0)
         kernel = attention_kernel(learner_cfg, self.device.kind)
-        # Packed rows under FlexAttention with a token budget are topped up to the budget (choice 8).
+        # Packed rows under FlexAttention with a token budget are topped up to the budget (see
+        # "Attention kernel" in the module docstring).
         self._layout = Layout(learner_cfg, temperature, self._dev, varlen=kernel == VARLEN,
                               fixed_pack=(learner_cfg.pack_sequences and learner_cfg.max_tokens_per_micro_batch > 0
                                           and kernel == "flex_attention"))
@@ -200,8 +177,8 @@ class LearnerRank:
     # ---------------------------------------------------------------- forward passes
 
     def _forward_logprobs(self, model: torch.nn.Module, mb: Batch) -> torch.Tensor:
-        """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs (choices 4-8:
-        actors.learner_forward)."""
+        """Token log-probs [b, T] of a micro-batch, aligned like TrainBatch.old_logprobs, in the
+        layout `learner.*` asks for (actors.learner_forward)."""
         return forward_logprobs(model, mb, self._layout)
 
     def _aligned_micro_batches(self, batch: Batch) -> tuple[list[tuple[torch.Tensor, Batch]], int]:
@@ -217,7 +194,7 @@ class LearnerRank:
         """Token log-probs [rows, T] of this rank's rows (policy or reference), on CPU. With LoRA
         and no separate reference model, the reference is the policy with its adapters off."""
         model, context = (self.reference if reference else self.model), nullcontext()
-        if reference and model is None and self.lora:  # choice 9
+        if reference and model is None and self.lora:  # the reference is the policy, adapters off
             model, context = self.model, unwrapped(self.model).disable_adapter()  # the PeftModel
         if model is None:
             raise RuntimeError("reference log-probs asked for, but the learner was built without a reference")
@@ -236,7 +213,7 @@ class LearnerRank:
 
     def train_step(self, batch: Batch, objective: Objective) -> StepMetrics:
         """Forward/backward over micro-batches, clip, one optimizer step (none where the loss or the
-        gradient is not finite: choice 10). Metrics follow the objective's contract
+        gradient is not finite: "Non-finite steps"). Metrics follow the objective's contract
         (rlhf.algo.objectives): summed over micro-batches and ranks, then reduced."""
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
@@ -286,7 +263,7 @@ class LearnerRank:
 
     def _step_if_finite(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
         """The optimizer step unless the loss or the global grad norm is NaN/inf on some rank
-        (choice 10). Returns (grad norm, skipped), the same on every rank."""
+        ("Non-finite steps"). Returns (grad norm, skipped), the same on every rank."""
         grads = [g for g in (_local(p.grad) for p in self.model.parameters() if p.grad is not None) if g.numel()]
         squares = torch.stack(torch._foreach_norm(grads)).double().square().sum() if grads else torch.zeros(())
         check = torch.stack([(~torch.isfinite(loss_sum)).double(), squares.to(self._dev, torch.float64)])
@@ -348,13 +325,14 @@ class LearnerRank:
 
     # ---------------------------------------------------------------- weights out
 
-    def served_weights(self, keep: bool | None = None, *, sync: bool = True
+    def served_weights(self, keep: bool | None = None, *, sync: bool = True, dtype: torch.dtype | None = None
                        ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """What leaves the learner, one full tensor at a time (a collective): every parameter in HF
-        names; with LoRA (choice 9) the merged weights, or for a `sync` in `lora_sync: adapter` mode
-        the adapter tensors under PEFT's file names."""
+        names (cast to `dtype` before gathering, when given); with LoRA the merged
+        weights, or for a `sync` in `lora_sync: adapter` mode the adapter tensors under PEFT's file
+        names (merged and adapter tensors are cast by the caller: the merge wants full precision)."""
         if not self.lora:
-            return self.sharding.full_parameters(keep)
+            return self.sharding.full_parameters(keep, dtype=dtype)
         if sync and self.cfg.lora_sync == "adapter":
             return adapter_weights(self.sharding.full_parameters(keep, only=is_adapter_name))
         return merged_weights(self.sharding.full_parameters(keep), lora_scale(self.cfg))
@@ -369,7 +347,7 @@ class LearnerRank:
         """
         bucket: list[tuple[str, torch.Tensor]] = []
         size = 0
-        for name, full in self.served_weights(keep):
+        for name, full in self.served_weights(keep, dtype=dtype):
             if keep:
                 bucket.append((name, full.detach().to(dtype)))
                 size += full.numel() * full.element_size()
@@ -379,19 +357,27 @@ class LearnerRank:
         if bucket or not keep:
             yield bucket
 
-    def push_weights(self, targets: list[tuple[int, object]], transport: object) -> dict[int, float]:
+    def push_weights(self, targets: list[tuple[int, object]], transport: object) -> dict[str, Any]:
         """Send the current weights through `transport` (actors.weight_sync) to the engines in
         `targets` ((engine index, actor) pairs; empty: this rank only helps gather). Returns, once
-        they all serve the new weights, {engine index: its seconds in the update}. The first
-        transport of a kind is kept, so a connection it opens (NCCL) lives on."""
+        they all serve the new weights, {"engines": {engine index: its seconds in the update},
+        "gather_s": seconds gathering and casting, "send_s": seconds handing buckets over and
+        committing}. The first transport of a kind is kept, so a connection it opens (NCCL) lives on."""
         transport = self._transports.setdefault(type(transport).__name__, transport)
+        gather_s = send_s = 0.0
+        clock = time.perf_counter()
         for bucket in self.iter_weight_buckets(transport.bucket_bytes, transport.dtype, keep=bool(targets)):
+            sent = time.perf_counter()
+            gather_s += sent - clock
             if bucket:
                 transport.send(bucket, targets)
+            clock = time.perf_counter()
+            send_s += clock - sent
         seconds = transport.finish(targets) if targets else {}  # commit: the engines serve these weights
+        send_s += time.perf_counter() - clock
         dist.barrier()
         self.device.empty_cache()  # the buckets' memory, likewise
-        return seconds
+        return {"engines": seconds, "gather_s": gather_s, "send_s": send_s}
 
     def export_hf(self, model_path: str, out: Path, dtype: torch.dtype) -> None:
         """Write an HF folder (the source model's config/tokenizer plus our weights as safetensors)

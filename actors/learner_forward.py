@@ -1,8 +1,9 @@
 """One micro-batch through the learner's model to token log-probs, in the layout `learner.*` asks for
-(actors.learner_base choices 4-8): padded rows, one packed row, or rows that share their prompt.
+(packed rows, scored positions only, shared prompts, fused head and attention kernel, each a decision
+of actors/learner_base.py): padded rows, one packed row, or rows that share their prompt.
 
 Every layout returns the same [b, T] log-probs, aligned like TrainBatch.old_logprobs (tested against
-each other in tests/test_learner_kernels.py and tests/test_fsdp2_learner.py).
+each other in tests/unit/test_learner_kernels.py and tests/e2e/test_fsdp2_learner.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Layout:
 def forward_logprobs(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
     """Token log-probs [b, T] of a micro-batch under `layout`."""
     cfg, dev = layout.cfg, layout.device
-    if cfg.share_prompts and bool(mb.loss_mask.any()):  # choice 6
+    if cfg.share_prompts and bool(mb.loss_mask.any()):  # shared prompts
         shared = share_prompts(mb.input_ids, mb.attention_mask, mb.loss_mask, device=dev)
         logits = model(input_ids=shared.input_ids, position_ids=shared.position_ids,
                        attention_mask=shared.attention_mask, use_cache=False,
@@ -55,14 +56,14 @@ def forward_logprobs(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch
 
 
 def _padded(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
-    """Choice 5: the head only from the position before the first scored token on. Right-padded rows
-    go without the padding mask unless `learner.padding_mask` (actors.learner_kernels)."""
+    """Scored positions only: the head only from the position before the first scored token on.
+    Right-padded rows go without the padding mask unless `learner.padding_mask` (actors.learner_kernels)."""
     dev = layout.device
     ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
     start = first_scored_column(mb.loss_mask)
     attention_mask = None if not layout.cfg.padding_mask and right_padded(mb.attention_mask) else mb.attention_mask.to(dev)
     kwargs = dict(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=ids.shape[1] - start + 1)
-    if layout.cfg.fused_head:  # choice 7: the model returns next-token log-probs, no logits
+    if layout.cfg.fused_head:  # fused head: the model returns next-token log-probs, no logits
         with output_head(model).scoring(next_token_targets(ids[:, start - 1:]), layout.temperature):
             tail = align_next_token(model(**kwargs).logits, mask[:, start - 1:])
     else:  # bf16 logits stay bf16: token_logprobs upcasts chunk by chunk, never the whole [b, T, V]
@@ -72,14 +73,14 @@ def _padded(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
 
 
 def _packed(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
-    """Choice 4: one padding-free row. Without an attention mask transformers reads the documents off
+    """Packed rows: one padding-free row. Without an attention mask transformers reads the documents off
     the restarting position ids; the varlen kernel is told their borders instead."""
     cfg, dev = layout.cfg, layout.device
     lengths = mb.attention_mask.sum(-1).tolist()
     sequences = [row[:n].tolist() for row, n in zip(mb.input_ids, lengths)]
     total = sum(lengths)
     if layout.fixed_pack and total < cfg.max_tokens_per_micro_batch:
-        # Choice 8: one shape for every packed row, so the compiled kernel is built once: a
+        # Attention kernel: one shape for every packed row, so the compiled kernel is built once: a
         # filler document (its own block of the mask, its outputs dropped) tops the row up.
         sequences.append([0] * (cfg.max_tokens_per_micro_batch - total))
     packed, positions, cu = pack_sequences(sequences, device=dev)

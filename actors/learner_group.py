@@ -43,12 +43,16 @@ class RayLearnerGroup:
         self.group.call("load", path)
 
     def push_weights(self, targets: list[list[tuple[int, ray.actor.ActorHandle]]], transport: object
-                     ) -> dict[int, float]:
+                     ) -> dict[str, float]:
         """All ranks gather parameters bucket by bucket; rank r sends each bucket to the engines
         `targets[r]` ((engine index, actor) pairs) and commits them (see actors.weight_sync).
-        Returns {engine index: seconds that engine spent receiving and committing}."""
+        Returns `sync/engine{e}_s` (seconds engine e spent receiving and committing) and, over the
+        slowest rank, `sync/gather_s` (gathering and casting) and `sync/send_s` (handing over)."""
         per_rank = self.group.call_each("push_weights", [(t, transport) for t in targets])
-        return {engine: s for rank in per_rank for engine, s in rank.items()}
+        engines = {engine: s for rank in per_rank for engine, s in rank["engines"].items()}
+        return {**{f"sync/engine{e}_s": s for e, s in sorted(engines.items())},
+                "sync/gather_s": max(rank["gather_s"] for rank in per_rank),
+                "sync/send_s": max(rank["send_s"] for rank in per_rank)}
 
     def shutdown(self) -> None:
         self.group.shutdown()

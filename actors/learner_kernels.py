@@ -1,5 +1,5 @@
 """The learner's fast kernels, each behind a `learner.*` key and each computing what the eager,
-padded model computes (tests/test_learner_kernels.py on CPU; tests/gpu/test_learner_gpu.py for the
+padded model computes (tests/unit/test_learner_kernels.py on CPU; tests/gpu/test_learner_gpu.py for the
 GPU-only kernels):
 
 - `learner.liger`: Liger's Triton kernels for RMSNorm, SwiGLU and RoPE (GPU only). Eager PyTorch
@@ -16,9 +16,12 @@ GPU-only kernels):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+
+from rlhf.algo.logprobs import HeadKernels, add_product, chunk_logits_grad, chunk_logprobs
 
 VARLEN = "rlhf_varlen"
 """The name `learner.attention: varlen` is registered under in transformers' attention interface."""
@@ -90,6 +93,22 @@ def apply_liger(model: torch.nn.Module, device_kind: str) -> None:
                          f"set learner.liger=false (learner.compile=true fuses the same work)")
     MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](model=model, rope=True, rms_norm=True, swiglu=True,
                                              cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def fused_head_kernels(device_kind: str) -> HeadKernels:
+    """`learner.head_kernels: fused`: the fused head's per-chunk softmax work compiled (one kernel
+    forward, one backward, each reading the chunk's logits once, instead of eager passes over fp32
+    copies), and on CUDA the head weight's gradient accumulated in fp32 by the matmul (addmm with
+    `out_dtype`) instead of a bf16 product upcast and added. Dynamic shapes: a micro-batch's last
+    chunk is shorter. `RLHF_COMPILE_BACKEND` as for `compile_layers`."""
+    backend = os.environ.get("RLHF_COMPILE_BACKEND", "inductor")
+    compiled = functools.partial(torch.compile, backend=backend, dynamic=True, fullgraph=True)
+    accumulate = _addmm_fp32 if device_kind == "cuda" else add_product
+    return HeadKernels(compiled(chunk_logprobs), compiled(chunk_logits_grad), accumulate)
+
+
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(acc, a, b, out_dtype=torch.float32)
 
 
 def compile_layers(layers: torch.nn.ModuleList) -> None:

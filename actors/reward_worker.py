@@ -2,13 +2,13 @@
 
 Where completions become text: here, once per step, in one batch (`rlhf.scoring.decode_completions`).
 - Engines return token ids only: vLLM's incremental detokenizer runs inside the engine's loop,
-  between decode steps (one H200: 18-24k tokens/s with it, 33-43k with `detokenize=False`). The HF
-  backend returns ids too, so the backend cannot change the strings the rewards see.
+  between decode steps, where it slows generation down by about a half ("Token ids out" in
+  docs/design/generation.md has the figures). The HF backend returns ids too, so the backend cannot
+  change the strings the rewards see.
 - Decoding is the scorer's job (`PoolScorer`, which evaluation scores with in the driver), so the
   loop only forwards ids and the generation phase times the engines alone.
-- Cost: 0.06-0.07 s for 512 x 256 tokens with Qwen2's tokenizer on one core, linear in the step's
-  completions: 0.6 s for 4096 x 256 (eight engines' rollouts), where a decode inside each engine
-  would take 0.07 s in parallel. That is where to move it if many engines make it show.
+- Cost: linear in the step's completions, a small share of the step next to generating them; if
+  many engines make it show, the decode moves into the engines.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class RewardWorker:
 
     def score(self, rows: list[PromptRow], token_ids: list[list[int]]
               ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-        """Rewards, metrics and the step's warning lines (rewards.pool choice 7), which the driver prints."""
+        """Rewards, metrics and the step's warning lines (`RewardPool.warnings`), which the driver prints."""
         return self.scorer.score_and_warnings(rows, token_ids)
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
 """Which LoRA adapters a vLLM engine can serve on this machine, and the `vllm.LLM` arguments that
 serve them: `learner.lora_sync` settled before start-up (`settle_lora_sync`), the engine's own
-refusal of an adapter it cannot serve. "Choice 12" is VLLMGenerator's (actors/vllm_generator.py)."""
+refusal of an adapter it cannot serve. How the engine serves them: "LoRA adapters" in
+actors/vllm_generator.py."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from actors.device import detect
 from rlhf.config import ConfigError, LearnerConfig, RunConfig
 
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
-_CPU_LORA_MAX_VOCAB = 1024  # the largest vocabulary vLLM-CPU was seen to serve adapters on (choice 12)
+_CPU_LORA_MAX_VOCAB = 1024  # the largest vocabulary vLLM-CPU was seen to serve adapters on
 
 
 def lora_settings(lora: LearnerConfig | None) -> dict[str, Any]:
-    """The `vllm.LLM` arguments that serve one LoRA adapter of `lora.lora_rank` (choice 12); {}
+    """The `vllm.LLM` arguments that serve one LoRA adapter of `lora.lora_rank`; {}
     without one."""
     if lora is None:
         return {}
@@ -58,7 +59,7 @@ def refuse_adapter_serving(problem: str | None) -> None:
 def lora_serving_problem(model_path: str, rank: int, *, on_cpu: bool) -> str | None:
     """Why vLLM cannot serve LoRA adapters of `rank` on this model (a phrase), or None: a rank
     above vLLM's largest, an architecture without vLLM LoRA support, or on CPU a vocabulary above
-    what vLLM-CPU was seen to survive (VLLMGenerator choice 12)."""
+    what vLLM-CPU was seen to survive (docs/design/generation.md, "LoRA adapters")."""
     from transformers import AutoConfig
     from vllm.model_executor.models import ModelRegistry
     from vllm.model_executor.models.interfaces import supports_lora

@@ -7,6 +7,7 @@ parameter checksums the tests compare."""
 from __future__ import annotations
 
 import math
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,13 @@ from actors.device import detect
 # (rebuild_fn, args) as returned by torch.multiprocessing.reductions.reduce_tensor(cuda_tensor)
 IpcHandle = tuple[Callable[..., torch.Tensor], tuple[Any, ...]]
 _IPC_DEVICE_ARG = 6  # position of the device ordinal in reduce_tensor's args (vLLM's ipc_engine uses it too)
+
+
+def call_pickled(worker: Any, payload: bytes) -> Any:
+    """`fn(worker, *args)` for a pickled (fn, args): how calls reach an engine core in its own
+    process (VLLMGenerator._rpc)."""
+    fn, args = pickle.loads(payload)
+    return fn(worker, *args)
 
 
 def begin_update(worker: Any) -> None:
@@ -76,9 +84,10 @@ def finish_update(worker: Any) -> None:
     if getattr(worker.model_config.hf_config, "tie_word_embeddings", False):
         silence_harmless_warnings(TIED_LM_HEAD)  # the tied head is the embedding: nothing of its own to load
     finalize_layerwise_reload(model, worker.model_config)
-    # CPU (choice 7): vocab layers keep their weight plus a packed copy for the logits matmul. A tied
-    # LM head shares the embedding's storage, which the reload rewrote, but is not reloaded itself,
-    # so its packed copy would keep the old weights: re-pack every vocab layer from its weight.
+    # CPU ("Packed CPU weights" in actors/vllm_generator.py): vocab layers keep their weight plus a
+    # packed copy for the logits matmul. A tied LM head shares the embedding's storage, which the
+    # reload rewrote, but is not reloaded itself, so its packed copy would keep the old weights:
+    # re-pack every vocab layer from its weight.
     for module in model.modules():
         if isinstance(module, VocabParallelEmbedding) and hasattr(module, "cpu_linear"):
             module.quant_method.process_weights_after_loading(module)
@@ -90,7 +99,7 @@ def checksum(worker: Any) -> dict[str, float]:
     for module_name, module in worker.get_model().named_modules():
         for name, param in module.named_parameters(recurse=False):
             if param.numel() == 0 and hasattr(module, "cpu_linear"):
-                # CPU: the weight lives in a packed oneDNN/AMX handle (choice 6): x = I gives W^T exactly.
+                # CPU: the weight lives in a packed oneDNN/AMX handle: x = I gives W^T exactly.
                 k = getattr(module, "input_size_per_partition", None) or module.input_size
                 eye = torch.eye(k, dtype=module.params_dtype)
                 param = module.cpu_linear(eye, param, None)

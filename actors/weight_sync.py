@@ -39,6 +39,10 @@ from rlhf.config import RunConfig
 from rlhf.lora import serves_adapters
 
 _BUCKET_BYTES = 256 * 2**20  # few calls (per-call overhead vanishes), never a memory spike
+# Colocated GPUs: a sync runs between the learner's step and the next generation, when the
+# activations are gone, so a bucket four times larger (fewer round trips, one IPC handle per GiB)
+# costs memory that sits idle then.
+_IPC_BUCKET_BYTES = 2**30
 
 Engines = list[tuple[int, Any]]  # (engine index, engine actor) pairs a learner rank sends to
 
@@ -78,7 +82,7 @@ class CudaIpcTransport:
     (Measured: reusing one buffer corrupted the layers split across buckets, log-prob mismatch 0.57.)"""
 
     dtype: torch.dtype
-    bucket_bytes: int = _BUCKET_BYTES
+    bucket_bytes: int = _IPC_BUCKET_BYTES
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -142,8 +146,7 @@ class WeightSyncer:
         self.learners, self.targets, self.transport = learners, targets, transport
 
     def push(self, version: int) -> dict[str, float]:
-        per_engine = self.learners.push_weights(self.targets, self.transport)
-        return {f"sync/engine{e}_s": s for e, s in sorted(per_engine.items())}
+        return self.learners.push_weights(self.targets, self.transport)
 
 
 def engine_targets(transport: Any, engines: list[Any], num_ranks: int, ranks_per_engine: int) -> list[Engines]:
@@ -159,7 +162,7 @@ def choose_transport(cfg: RunConfig, device_kind: str, rendezvous: Callable[[], 
     """The one place that maps (config, placement, device) to a transport. LoRA adapters
     (`learner.lora_sync: adapter`) always go through the object store: they are small (rank 16 on a
     7B model: ~40M parameters), and the engine writes them to a folder on its host anyway
-    (actors.vllm_generator choice 12). `rendezvous()` gives the NCCL group's (address, free port)
+    ("LoRA adapters" in actors/vllm_generator.py). `rendezvous()` gives the NCCL group's (address, free port)
     on learner rank 0's node; it is called only for NCCL (a Ray task: a worker process to start)."""
     kind = cfg.cluster.weight_sync
     if serves_adapters(cfg):

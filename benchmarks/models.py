@@ -10,7 +10,7 @@ the 151,936 ids, and every sampled id has to decode. Built once, reused (a stamp
 `random:qwen2.5-0.5b` and `random:qwen2.5-7b` are the same for Qwen2.5-0.5B (24 layers, hidden
 896, 14/2 heads, tied) and Qwen2.5-7B (28 layers, hidden 3584, 28/4 heads, untied, vocab 152,064);
 the memory planner reads their shapes from the config.json written here, the same numbers as its
-KNOWN_SHAPES for the hub ids (tests/test_plan_check.py checks both).
+KNOWN_SHAPES for the hub ids (tests/unit/test_plan_check.py checks both).
 """
 
 from __future__ import annotations

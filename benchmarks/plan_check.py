@@ -150,7 +150,7 @@ PLAN_ROWS: tuple[tuple[str, str], ...] = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure parts: plain data in, plain data out (tests/test_plan_check.py)
+# Pure parts: plain data in, plain data out (tests/unit/test_plan_check.py)
 
 
 def check_workload(w: Workload, check: Check, *, tiny: bool, steps: int | None = None) -> Workload:
@@ -406,19 +406,27 @@ def choose_configs(asked: list[str] | None, gpus: int, on_gpu: bool) -> tuple[li
 
 @contextmanager
 def sampled_gpus(poll_s: float = 1.0) -> Iterator[dict[str, tuple[str, float]]]:
-    """nvidia-smi's memory.used of every GPU, once a second while the block runs: index -> (name,
-    peak GiB), filled in place; empty without nvidia-smi."""
+    """nvidia-smi's memory.used of every GPU this process may use (CUDA_VISIBLE_DEVICES's indices
+    where it is set: jobs beside it on the host's other GPUs are not its memory), once a second
+    while the block runs: index -> (name, peak GiB), filled in place; empty without nvidia-smi."""
     peaks: dict[str, tuple[str, float]] = {}
     stop = threading.Event()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [d.strip() for d in (visible or "").split(",") if d.strip()]
+    mine = set(entries) if entries and all(d.isdigit() for d in entries) else None  # UUIDs: no filter
+
+    def sample_once() -> None:
+        for index, name, used in nvidia_smi("memory.used"):
+            if mine is None or index in mine:
+                peaks[index] = (name, max(used, peaks.get(index, (name, 0.0))[1]))
 
     def sample() -> None:
-        while not stop.is_set():
-            for index, name, used in nvidia_smi("memory.used"):
-                peaks[index] = (name, max(used, peaks.get(index, (name, 0.0))[1]))
-            stop.wait(poll_s)
+        while not stop.wait(poll_s):
+            sample_once()
 
     thread = threading.Thread(target=sample, daemon=True)
     if shutil.which("nvidia-smi"):
+        sample_once()  # the block's start, however short the block
         thread.start()
     try:
         yield peaks

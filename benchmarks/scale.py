@@ -1,26 +1,27 @@
-"""Our GRPO run on 1 and 2 GPUs, one cluster layout after the other, on the same work: one table.
+"""Our GRPO run over 1, 2, 4 (and 8) GPUs of one host, one run per cluster layout: one table, one plot.
 
-    bash benchmarks/gpu_scale.sh                                   # every layout the GPUs allow (2-GPU machine)
-    .venv/bin/python benchmarks/scale.py --layouts 1gpu,2gpu-split --model outputs/bench/models/random-qwen2.5-1.5b
+    bash benchmarks/gpu_scale.sh                                   # the colocated line that fits the GPUs
+    .venv/bin/python benchmarks/scale.py --layouts 1gpu,4gpu-split-zero2 --model outputs/bench/models/random-qwen2.5-1.5b
+    .venv/bin/python benchmarks/scale.py --prompts 256             # strong scaling: the same 256 x 8 step everywhere
+    .venv/bin/python benchmarks/scale.py --weak 64                 # weak scaling: 64 prompts per GPU
     .venv/bin/python benchmarks/scale.py --tiny --layouts 1gpu,2gpu-fsdp2 --steps 2   # the code path, on CPU
 
-Layouts (LAYOUTS), each a run of scripts/train_grpo.py on the `grpo-gpu-scale` workload:
-  1gpu         colocated, 1 engine + 1 FSDP2 rank on one GPU
-  2gpu-fsdp2   colocated, 2 engines + 2 FSDP2 ranks (one of each per GPU)
-  2gpu-zero2   colocated, 2 engines + 2 DeepSpeed ZeRO-2 ranks
-  2gpu-split   split, 1 engine on GPU 0, 1 FSDP2 rank on GPU 1 (NCCL weight sync)
+Layouts (`LAYOUTS`), each a run of scripts/train_grpo.py on the `grpo-gpu-scale` workload: colocated
+(an engine and a learner rank per GPU: FSDP2, ZeRO-2, ZeRO-3) and split (some GPUs generate, the
+others learn: the seeds' layout, and its asynchronous variant). Without `--layouts`, the colocated
+FSDP2 line (`DEFAULT_LAYOUTS`) that fits the visible GPUs.
 
-On a GPU machine each layout's process sees only the GPUs it uses (CUDA_VISIBLE_DEVICES: the
-first n of those this script sees) and `cluster.generator_engines` stays `auto`, so the run
-resolves the engine count itself; layouts needing more GPUs than are visible are skipped. On CPU
-(`--tiny`) the GPU count means nothing: every layout runs, with the engine count `auto` gives on
-GPU passed explicitly (on CPU `auto` means one engine), so the code path is the same.
+Layouts that need disjoint GPUs run at the same time (`summary.waves`, first fit in the order
+given; `--in-turn` runs one at a time), each process seeing only its own GPUs
+(CUDA_VISIBLE_DEVICES), so the one-GPU baseline is measured on the same host in the same run. On
+CPU (`--tiny`) the GPU count means nothing: layouts run in turn, with the engine count that `auto`
+gives on GPUs passed explicitly, so the code path is the same.
 
-Output: a markdown table, one column per layout (rows: see `SCALE_ROWS`), the two target lines
-of the issue (2 GPUs >= 1.8x the samples/s of 1; weight sync <= 0.3 s), and one JSON line
-appended to `<results>/<workload>.jsonl` with the machine, versions, git commit, the workload,
-the layouts, every layout's per-step records and the summary. The running, memory sampling and
-per-step conversion are benchmarks/run.py's and benchmarks/summary.py's.
+Output: a markdown table, one column per layout (rows: `SCALE_ROWS`), the target lines
+(`target_lines`), a PNG of samples/s against GPUs with the ideal line (`--plot`), and one JSON
+line appended to `<results>/<workload>.jsonl` (machine, versions, commit, the layouts and their
+GPUs, every layout's per-step records, the summary). Running, memory sampling and per-step
+conversion are benchmarks/run.py's and benchmarks/summary.py's.
 """
 
 from __future__ import annotations
@@ -51,16 +52,18 @@ from benchmarks.run import (  # noqa: E402
     machine_info,
     prepare_model,
     run_ours,
+    run_wave,
     step_prompt_tokens,
     versions,
     visible_gpus,
 )
-from benchmarks.summary import format_value, ours_grpo_steps, steady, summarize  # noqa: E402
+from benchmarks.summary import format_value, ours_grpo_steps, steady, summarize, waves  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
 
 WORKLOAD = "grpo-gpu-scale"
 BASELINE = "1gpu"
-SPEEDUP_TARGET = 1.8
+SPEEDUP_TARGETS = {2: 1.8, 4: 3.4}  # samples/s against 1 GPU's, on the same work
+WEAK_TARGET = 0.9  # weak scaling: samples/s per GPU against 1 GPU's
 SYNC_TARGET_S = 0.3
 
 
@@ -74,13 +77,38 @@ class Layout:
     overrides: tuple[str, ...]
 
 
+def _colocated(gpus: int, backend: str = "fsdp2", zero_stage: int = 0) -> Layout:
+    """An engine and a learner rank on every GPU."""
+    zero = (f"learner.zero_stage={zero_stage}",) if zero_stage else ()
+    return Layout(gpus, gpus, ("cluster.placement=colocated", f"learner.num_ranks={gpus}",
+                               f"learner.backend={backend}", *zero))
+
+
+def _split(gpus: int, engines: int, backend: str = "fsdp2", zero_stage: int = 0, staleness: int = 0) -> Layout:
+    """`engines` GPUs generate, the others learn; `staleness` > 0: asynchronous GRPO."""
+    extra = (f"learner.zero_stage={zero_stage}",) if zero_stage else ()
+    extra += (f"grpo.max_staleness={staleness}",) if staleness else ()
+    return Layout(gpus, engines, ("cluster.placement=split", f"cluster.generator_engines={engines}",
+                                  f"learner.num_ranks={gpus - engines}", f"learner.backend={backend}", *extra))
+
+
 LAYOUTS: dict[str, Layout] = {
-    "1gpu": Layout(1, 1, ("cluster.placement=colocated", "learner.num_ranks=1", "learner.backend=fsdp2")),
-    "2gpu-fsdp2": Layout(2, 2, ("cluster.placement=colocated", "learner.num_ranks=2", "learner.backend=fsdp2")),
-    "2gpu-zero2": Layout(2, 2, ("cluster.placement=colocated", "learner.num_ranks=2", "learner.backend=deepspeed",
-                                "learner.zero_stage=2")),
-    "2gpu-split": Layout(2, 1, ("cluster.placement=split", "learner.num_ranks=1", "learner.backend=fsdp2")),
+    "1gpu": _colocated(1),
+    "2gpu-fsdp2": _colocated(2),
+    "2gpu-zero2": _colocated(2, "deepspeed", 2),
+    "2gpu-split": _split(2, 1),
+    "4gpu-fsdp2": _colocated(4),
+    "4gpu-zero2": _colocated(4, "deepspeed", 2),
+    "4gpu-zero3": _colocated(4, "deepspeed", 3),
+    "4gpu-split-zero2": _split(4, 1, "deepspeed", 2),  # the seeds' layout on 4 GPUs
+    "4gpu-split-zero2-async": _split(4, 1, "deepspeed", 2, staleness=1),
+    "4gpu-split-fsdp2": _split(4, 2),
+    "4gpu-split-fsdp2-async": _split(4, 2, staleness=1),
+    "8gpu-fsdp2": _colocated(8),
+    "8gpu-split-zero2": _split(8, 1, "deepspeed", 2),
+    "8gpu-split-zero3": _split(8, 1, "deepspeed", 3),
 }
+DEFAULT_LAYOUTS = ("1gpu", "2gpu-fsdp2", "4gpu-fsdp2", "8gpu-fsdp2")
 
 SCALE_ROWS: tuple[tuple[str, str], ...] = (
     # (summary key, table label)
@@ -97,7 +125,7 @@ SCALE_ROWS: tuple[tuple[str, str], ...] = (
     ("speedup", f"speedup vs {BASELINE} (samples/s)"),
     ("gen_tokens_per_s", "generation tokens/s"),
     ("engine_time_ratio", "engine time ratio, slowest/fastest"),
-    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, all GPUs"),
+    ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the layout"),
     ("learner_peak_gib", "learner peak GiB, max over ranks"),
     ("peak_mem_gib", "peak host memory GiB, process tree PSS"),
     ("reward_mean", "mean reward, all steps"),
@@ -109,7 +137,7 @@ _ENGINE_SYNC_S = re.compile(r"sync/engine\d+_s")
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure parts: plain data in, plain data out (tests/test_benchmarks.py)
+# Pure parts: plain data in, plain data out (tests/unit/test_benchmarks.py)
 
 
 def parse_cluster_line(log_text: str) -> dict[str, Any] | None:
@@ -179,25 +207,64 @@ def with_speedups(summaries: dict[str, dict[str, Any]], baseline: str = BASELINE
             for name, s in summaries.items()}
 
 
-def target_lines(summaries: dict[str, dict[str, Any]]) -> list[str]:
-    """The issue's two targets, measured: the best 2-GPU layout's speedup, the worst median sync."""
-    two = {n: s for n, s in summaries.items() if s.get("gpus") == 2 and s.get("speedup") is not None}
-    if two:
-        best = max(two, key=lambda n: two[n]["speedup"])
-        x = two[best]["speedup"]
-        scale = (f"2 GPUs vs 1: best 2-GPU layout {best} gives {x:.2f}x samples/s (target >= {SPEEDUP_TARGET}x): "
-                 f"{'met' if x >= SPEEDUP_TARGET else 'missed'}")
-    else:
-        scale = f"2 GPUs vs 1: not measured (needs {BASELINE} and a 2-GPU layout that ran)"
+def target_lines(summaries: dict[str, dict[str, Any]], weak: bool = False) -> list[str]:
+    """The issue's targets, measured: per GPU count, the best layout's speedup over 1 GPU (the same
+    work: `SPEEDUP_TARGETS`) or, with `weak` (prompts per GPU fixed), its samples/s per GPU against
+    1 GPU's (`WEAK_TARGET`); and the worst median sync."""
+    lines = []
+    base = summaries.get(BASELINE, {})
+    for gpus, target in SPEEDUP_TARGETS.items():
+        ran = {n: s for n, s in summaries.items() if s.get("gpus") == gpus and s.get("speedup") is not None}
+        if not ran:
+            lines.append(f"{gpus} GPUs vs 1: not measured (needs {BASELINE} and a {gpus}-GPU layout that ran)")
+            continue
+        best = max(ran, key=lambda n: ran[n]["speedup"])
+        if weak:
+            share = ran[best]["samples_per_s_per_gpu"] / base["samples_per_s_per_gpu"]
+            lines.append(f"{gpus} GPUs vs 1, weak: {best} keeps {share:.0%} of 1 GPU's samples/s per GPU "
+                         f"(target >= {WEAK_TARGET:.0%}): {'met' if share >= WEAK_TARGET else 'missed'}")
+        else:
+            x = ran[best]["speedup"]
+            lines.append(f"{gpus} GPUs vs 1: best {gpus}-GPU layout {best} gives {x:.2f}x samples/s "
+                         f"(target >= {target}x): {'met' if x >= target else 'missed'}")
     synced = {n: s["sync_s"] for n, s in summaries.items() if s.get("sync_s") is not None}
     if synced:
         worst = max(synced, key=synced.__getitem__)
         verdict = "met" if synced[worst] <= SYNC_TARGET_S else "missed"
-        sync = (f"sync: max {synced[worst]:.2f} s (target <= {SYNC_TARGET_S} s): {verdict} "
-                f"(median of steps 1..N-1, layout {worst})")
+        lines.append(f"sync: max {synced[worst]:.2f} s (target <= {SYNC_TARGET_S} s): {verdict} "
+                     f"(median of steps 1..N-1, layout {worst})")
     else:
-        sync = "sync: not measured (no layout ran)"
-    return [scale, sync]
+        lines.append("sync: not measured (no layout ran)")
+    return lines
+
+
+def plot_scaling(summaries: dict[str, dict[str, Any]], out: Path, title: str) -> Path | None:
+    """samples/s against GPUs, one point per layout that ran, and the ideal line (1 GPU's samples/s
+    times the GPUs); None when nothing ran."""
+    points = [(s["gpus"], s["samples_per_s"], n) for n, s in summaries.items() if s.get("samples_per_s")]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    base = summaries.get(BASELINE, {}).get("samples_per_s")
+    top = max(g for g, _, _ in points)
+    if base:
+        ax.plot([1, top], [base, base * top], "--", color="grey", label="ideal (1 GPU x GPUs)")
+    for gpus, rate, name in sorted(points):
+        ax.plot(gpus, rate, "o")
+        ax.annotate(name, (gpus, rate), textcoords="offset points", xytext=(5, -10), fontsize=8)
+    ax.set(xlabel="GPUs", ylabel="samples/s (prompts x group / step s)", title=title)
+    ax.set_xticks(sorted({g for g, _, _ in points} | {1}))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def format_scale_table(layouts: Sequence[str], summaries: dict[str, dict[str, Any]], errors: dict[str, str]
@@ -215,22 +282,27 @@ def format_scale_table(layouts: Sequence[str], summaries: dict[str, dict[str, An
 
 
 SCALE_RECORD_KEYS = ("workload", "time", "command", "git", "machine", "versions", "env", "spec", "overrides",
-                     "layouts", "sides", "summary", "targets", "notes")
+                     "layouts", "sides", "summary", "targets", "notes", "scaling", "schedule")
 
 
 def build_scale_record(*, workload: dict[str, Any], time: str, command: str, git: dict[str, Any],
                        machine: dict[str, Any], versions: dict[str, str], env: dict[str, str],
                        overrides: list[str], layouts: dict[str, dict[str, Any]], sides: dict[str, dict[str, Any]],
-                       notes: list[str]) -> dict[str, Any]:
+                       notes: list[str], weak: bool = False, schedule: list[dict[str, list[str]]] | None = None
+                       ) -> dict[str, Any]:
     """One line of <results>/<workload>.jsonl, in the style of `summary.build_record`: `layouts`
-    holds each layout's GPU count, CUDA devices and overrides, `sides` each layout's run record with its per-step
-    records, `summary` the table's values of the layouts that ran, `targets` the target lines."""
-    samples = workload["prompts_per_step"] * workload["group_size"]
-    summary = with_speedups({name: summarize_layout(side, gpus=layouts[name]["gpus"], samples_per_step=samples)
+    holds each layout's GPU count, CUDA devices, prompts per step and overrides, `sides` each layout's
+    run record with its per-step records, `summary` the table's values of the layouts that ran,
+    `targets` the target lines, `schedule` the waves the layouts ran in."""
+    def samples(name: str) -> int:
+        return layouts[name].get("prompts_per_step", workload["prompts_per_step"]) * workload["group_size"]
+
+    summary = with_speedups({name: summarize_layout(side, gpus=layouts[name]["gpus"], samples_per_step=samples(name))
                              for name, side in sides.items() if side.get("ok")})
     return {"workload": workload["name"], "time": time, "command": command, "git": git, "machine": machine,
             "versions": versions, "env": env, "spec": workload, "overrides": overrides, "layouts": layouts,
-            "sides": sides, "summary": summary, "targets": target_lines(summary), "notes": notes}
+            "sides": sides, "summary": summary, "targets": target_lines(summary, weak), "notes": notes,
+            "scaling": "weak" if weak else "strong", "schedule": schedule}
 
 
 def last_line(text: str | None) -> str:
@@ -246,7 +318,14 @@ def last_line(text: str | None) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", type=_layout_list,
-                   help=f"comma-separated, of {', '.join(LAYOUTS)} (default: all that fit the visible GPUs)")
+                   help=f"comma-separated, of {', '.join(LAYOUTS)} (default: those of {', '.join(DEFAULT_LAYOUTS)} "
+                        "that fit the visible GPUs)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--prompts", type=int, help="prompts per step on every layout (strong scaling; default: the "
+                                                  "workload's)")
+    size.add_argument("--weak", type=int, metavar="P", help="P prompts per step per GPU (weak scaling)")
+    p.add_argument("--in-turn", action="store_true", help="one layout at a time, even where GPUs are free")
+    p.add_argument("--plot", help="PNG of samples/s against GPUs (default: <results>/<workload>.png)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the workload's)")
     p.add_argument("--model", help="a prebuilt model folder instead of building the workload's random model")
     p.add_argument("--tiny", action="store_true", help="tiny random model, few prompts and tokens (checks the path)")
@@ -274,9 +353,17 @@ def _layout_list(text: str) -> list[str]:
     return name_list(text, LAYOUTS, "layout")
 
 
-def layout_overrides(layout: Layout, *, on_gpu: bool) -> list[str]:
-    """The layout's overrides; on CPU also its engine count (CPU `auto` would mean one engine)."""
-    return [*layout.overrides, *([] if on_gpu else [f"cluster.generator_engines={layout.engines}"])]
+def layout_overrides(layout: Layout, *, on_gpu: bool, prompts: int | None = None) -> list[str]:
+    """The layout's overrides; on CPU also its engine count (CPU `auto` would mean one engine);
+    with `prompts`, the step's prompts."""
+    return [*layout.overrides, *([] if on_gpu else [f"cluster.generator_engines={layout.engines}"]),
+            *([f"grpo.prompts_per_step={prompts}"] if prompts else [])]
+
+
+def layout_prompts(args: argparse.Namespace, layout: Layout) -> int | None:
+    """Prompts per step of a layout's run: `--prompts` on every layout, `--weak` per GPU, else the
+    workload's (None)."""
+    return args.weak * layout.gpus if args.weak else args.prompts
 
 
 def run_cluster(side_dir: Path, log: str) -> dict[str, Any] | None:
@@ -289,15 +376,15 @@ def run_cluster(side_dir: Path, log: str) -> dict[str, Any] | None:
 
 
 def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, model_path: str | None,
-               on_gpu: bool, prompt_tokens: list[int], timeout: float) -> dict[str, Any]:
+               on_gpu: bool, prompt_tokens: list[int], timeout: float, prompts: int | None = None) -> dict[str, Any]:
     """One layout's run of our training script, with its per-step records and cluster line."""
     shutil.rmtree(side_dir, ignore_errors=True)
     overrides = [*our_overrides(w, output_dir=str(side_dir / "run"), model_path=model_path),
-                 *layout_overrides(LAYOUTS[name], on_gpu=on_gpu)]
+                 *layout_overrides(LAYOUTS[name], on_gpu=on_gpu, prompts=prompts)]
     print(f"[scale] {name}: running (log: {side_dir / 'log.txt'})", flush=True)
     run = run_ours(w, overrides, side_dir, env, timeout)
     run.update(side=name, overrides=overrides, cluster=run_cluster(side_dir, run["log"]),
-               steps=layout_steps(run["metrics"], prompt_tokens, w.prompts_per_step * w.group_size))
+               steps=layout_steps(run["metrics"], prompt_tokens, (prompts or w.prompts_per_step) * w.group_size))
     print(f"[scale] {name}: {'ok' if run['ok'] else 'FAILED'} in {run['wall_s']:.0f} s", flush=True)
     return run
 
@@ -314,8 +401,9 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
 
 
 def choose_layouts(asked: list[str] | None, gpus: int, on_gpu: bool) -> tuple[list[str], list[str]]:
-    """(layouts to run, notes on those skipped): on CPU every one asked for; on GPU those that fit."""
-    names = asked or list(LAYOUTS)
+    """(layouts to run, notes on those skipped): on CPU every one asked for (default: `DEFAULT_LAYOUTS`);
+    on GPU those that fit the visible GPUs."""
+    names = asked or list(DEFAULT_LAYOUTS)
     if not on_gpu:
         return names, []
     run = [n for n in names if LAYOUTS[n].gpus <= gpus]
@@ -342,26 +430,39 @@ def main(argv: list[str] | None = None) -> int:
     # Every layout's run folder differs; the rest of the workload's overrides is common.
     common = our_overrides(w, output_dir=str(workdir / w.name), model_path=model_path)
     prompt_tokens = step_prompt_tokens(w, common)
-    sides = {}
-    for name in names:
-        side_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus[:LAYOUTS[name].gpus])} if gpus else env
-        sides[name] = run_layout(w, name, workdir / w.name / name, side_env, model_path=model_path,
-                                 on_gpu=bool(gpus), prompt_tokens=prompt_tokens, timeout=args.side_timeout)
+    prompts = {n: layout_prompts(args, LAYOUTS[n]) for n in names}
+    schedule = waves({n: LAYOUTS[n].gpus for n in names}, gpus, parallel=not args.in_turn)
+    if any(len(wave) > 1 for wave in schedule):
+        print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
+                                                 for wave in schedule), flush=True)
+
+    def run(name: str, devices: list[str]) -> dict[str, Any]:
+        side_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if gpus else env
+        return run_layout(w, name, workdir / w.name / name, side_env, model_path=model_path, on_gpu=bool(gpus),
+                          prompt_tokens=prompt_tokens, timeout=args.side_timeout, prompts=prompts[name])
+
+    sides: dict[str, dict[str, Any]] = {}
+    for wave in schedule:
+        sides.update(run_wave(wave, run))
+    devices = {n: g for wave in schedule for n, g in wave.items()}
     record = build_scale_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         command=shlex.join([Path(PYTHON).name, "benchmarks/scale.py", *(argv if argv is not None else sys.argv[1:])]),
         git=git_info(), machine=machine_info(), versions=versions(),
         env={k: env[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in env},
         overrides=[o for o in common if not o.startswith("output_dir=")],
-        layouts={n: {"gpus": LAYOUTS[n].gpus, "devices": gpus[:LAYOUTS[n].gpus],
-                     "overrides": layout_overrides(LAYOUTS[n], on_gpu=bool(gpus))} for n in names},
-        sides=sides, notes=notes)
-    report(names, record, results_path)
+        layouts={n: {"gpus": LAYOUTS[n].gpus, "devices": devices[n],
+                     "prompts_per_step": prompts[n] or w.prompts_per_step,
+                     "overrides": layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n])}
+                 for n in names},
+        sides={n: sides[n] for n in names}, notes=notes, weak=bool(args.weak), schedule=schedule)
+    plot = Path(args.plot) if args.plot else results_path.with_suffix(".png")
+    report(names, record, results_path, plot)
     return 0 if sides and all(s["ok"] for s in sides.values()) else 1
 
 
-def report(names: list[str], record: dict[str, Any], path: Path) -> None:
-    """Print the table and the target lines; append the record to `path`."""
+def report(names: list[str], record: dict[str, Any], path: Path, plot: Path) -> None:
+    """Print the table and the target lines; append the record to `path`; the scaling plot to `plot`."""
     errors = {n: last_line(s.get("error")) for n, s in record["sides"].items() if not s.get("ok")}
     print()
     print(format_scale_table(names, record["summary"], errors))
@@ -372,6 +473,9 @@ def report(names: list[str], record: dict[str, Any], path: Path) -> None:
     with path.open("a") as f:
         f.write(json.dumps(record, default=str) + "\n")
     print(f"\n[scale] appended to {path}")
+    drawn = plot_scaling(record["summary"], plot, f"{record['workload']}, {record['scaling']} scaling")
+    if drawn is not None:
+        print(f"[scale] plot: {drawn}")
 
 
 if __name__ == "__main__":

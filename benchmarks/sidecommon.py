@@ -73,6 +73,7 @@ class Profiler:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._prof = None
+        self._wall = 0.0
 
     def start(self) -> None:
         import torch
@@ -80,18 +81,58 @@ class Profiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self._prof = profile(activities=activities, record_shapes=True, with_stack=False)
+        self._wall = time.perf_counter()
         self._prof.__enter__()
 
     def stop(self) -> str:
+        """End the span; write the trace, the top-ops table (`.txt`) and, with a GPU, where the GPU's
+        time went by kernel kind (`.kernels.json`, `kernel_kinds`)."""
         import torch
+        from torch.autograd import DeviceType
 
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - self._wall
         self._prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._prof.export_chrome_trace(str(self.path))
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        table = self._prof.key_averages().table(sort_by=sort, row_limit=30)
-        self.path.with_suffix(".txt").write_text(table + "\n")
+        events = self._prof.key_averages()
+        self.path.with_suffix(".txt").write_text(events.table(sort_by=sort, row_limit=30) + "\n")
+        if torch.cuda.is_available():
+            kernels = [(e.key, e.self_device_time_total / 1e6) for e in events if e.device_type == DeviceType.CUDA]
+            summary = kernel_kinds(kernels, wall)
+            self.path.with_suffix(".kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
         return str(self.path)
+
+
+# Kernel kinds by name, first match wins (cuBLAS/CUTLASS GEMMs, FlashAttention and SDPA kernels,
+# NCCL collectives, Triton kernels (Liger, torch.compile), PyTorch's own elementwise/copy/reduction kernels).
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "varlen", "attn")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "matmul")),
+    ("collective", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton", ("triton", "swiglu", "rope", "liger")),
+    ("copy/cast", ("copy", "cast", "cat_", "catarray", "fill")),
+    ("reduction/softmax", ("reduce", "softmax", "logsumexp", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "index")),
+)
+
+
+def kernel_kinds(kernels: list[tuple[str, float]], wall_s: float) -> dict[str, Any]:
+    """GPU seconds per kernel kind (`KERNEL_KINDS`) for [(kernel name, seconds)], with each kind's
+    share of the kernels' total and the span's `wall_s`; `idle_s` is the span's time with no kernel
+    running (launch gaps, host work, waits), assuming kernels do not overlap."""
+    kinds: dict[str, float] = {}
+    for name, seconds in kernels:
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    busy = sum(kinds.values())
+    share = {k: round(v / busy, 4) if busy else 0.0 for k, v in kinds.items()}
+    return {"wall_s": wall_s, "kernel_s": busy, "idle_s": max(0.0, wall_s - busy),
+            "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "kinds_share": share}
 
 
 def step_clock(record: dict[str, Any], args: argparse.Namespace, close_step: Callable[[float], None]) -> type:

@@ -1,6 +1,6 @@
 """The runner's pure parts: per-step records in one shape, their summary, ratios, the table and
 the JSON line, nvidia-smi's per-GPU figures, the waves sides run in. No timing, no subprocesses:
-tests/test_benchmarks.py and tests/test_bench_parallel.py check these directly.
+tests/unit/test_benchmarks.py and tests/unit/test_bench_parallel.py check these directly.
 
 Per-step record (every side, every workload; absent phases are 0):
     step, step_s, generate_s, sync_s, reward_s, train_s, gen_tokens, train_tokens,

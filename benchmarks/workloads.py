@@ -132,7 +132,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
                "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
         trl_sides=(), device="cuda",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 256 tokens (ignore_eos), "
-                    "ours alone on 1 and 2 GPUs (benchmarks/scale.py: one run per cluster layout)",
+                    "ours alone on 1, 2, 4 (and 8) GPUs (benchmarks/scale.py: one run per cluster layout)",
     ),
 )}
 

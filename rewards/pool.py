@@ -4,34 +4,25 @@ that bound a step: a hanging sample does not hold up the others.
     with RewardPool([("rewards.answers:exact_answer", 1.0)], timeout_s=10, num_workers=2) as pool:
         rewards, metrics = pool.score(prompts, completions, rows)
 
-Choices:
-1. Processes, not threads: a reward stuck in C code (a sympy simplification) cannot be
-   interrupted in a thread, but its process can be killed. One fresh interpreter (`python -c`,
-   over a socket pair), the zygote, imports the functions and forks the runners: nothing is forked
-   from a parent that holds torch, CUDA or Ray threads, the parent's `__main__` is never re-run
-   (an unguarded script, a notebook or a Ray worker can own a pool), and a runner costs a fork.
-2. Functions travel as spec strings and the zygote re-imports them: user functions need not be
-   picklable, and every process runs the code the parent already checked at start-up.
-3. Scheduling: a unit is one sample of a plain function (a chunk, about four per runner, of a
-   batched or async one, allowed `timeout_s` per sample of it). Each of the `num_workers` runners
-   runs one unit at a time in its main thread, so a crash is charged to exactly the unit that
-   caused it and nothing runs twice. A unit still running after `timeout_s / 20` (at most 0.25 s)
-   retires its runner: a newly forked one takes over and the step goes on beside it, while the
-   old one finishes its unit or is killed at the limit (a time-out). Hangs so overlap instead of
-   queueing: a step takes its real work plus about one `timeout_s`, not one per hang. And once no
-   unit has finished for a whole limit (every runner hung), the units not started time out at once.
-4. A raise, a non-number, a NaN/inf or a crashed runner scores 0 for that function and counts in
-   `reward/failed`; a hang scores 0 and counts in `reward/timeouts`. The run goes on. Each cause
-   has its own count (`reward/failed/<cause>`, `CAUSES`), and `reward/<name>/failed_frac` is the
-   share of samples a function failed on (1.0: every one, which the GRPO loop stops on when it
-   repeats: `reward.max_failed_steps`). Scoring 0 rather than dropping the sample keeps every
-   group whole; a group whose rewards are all equal gets zero advantages and no gradient.
-5. None means "not applicable": left out of that function's mean, 0 in the weighted sum.
-6. `num_workers=0` runs everything in the calling process, for debugging: errors are still caught
-   and counted and async functions still time out, but a plain function that hangs hangs the caller.
-7. After each `score`, `warnings` holds one line per function that failed or timed out on more
-   than `warn_failed_frac` of the samples (`reward.warn_failed_frac`), naming the function, the
-   count and the cause; the caller prints it (rlhf.scoring.PoolScorer, actors.reward_worker).
+Decisions (each a section of docs/design/rewards.md):
+- Processes, not threads: a reward stuck in C code cannot be interrupted in a thread, but its
+  process can be killed. A fresh interpreter, the zygote (rewards/runners.py), imports the
+  functions and forks the runners, so nothing is forked from a parent holding torch, CUDA or Ray
+  threads, and the parent's `__main__` is never re-run.
+- Functions by spec: they travel as spec strings and are re-imported, so they need not be
+  picklable, and every process runs the code the parent already checked.
+- Scheduling: each runner runs one unit (a sample, or a chunk of a batched or async function) at a
+  time, so a crash is charged to the unit that caused it. A unit running past `timeout_s / 20`
+  (at most `_SUSPECT_MAX_S`) retires its runner and a fresh one takes its lane, so hangs overlap
+  instead of queueing; once no unit has finished for a whole limit, the rest time out at once.
+- Failures score 0: a raise, a non-number, a NaN/inf or a crashed runner scores 0 and counts per
+  cause (`reward/failed/<cause>`, `CAUSES`); a hang counts in `reward/timeouts`. Scoring 0 rather
+  than dropping the sample keeps every group whole.
+- None means not applicable: left out of that function's mean, 0 in the weighted sum.
+- In-process mode: `num_workers=0` runs everything in the caller, for debugging (a plain function
+  that hangs hangs the caller).
+- Warnings: after each `score`, `warnings` holds one line per function that failed or timed out on
+  more than `warn_failed_frac` of the samples; the caller prints it.
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _CHUNKS_PER_WORKER = 4
 _GRACE_S = 0.5  # slack on top of a unit's limit, so an async wait_for in the runner fires first
-_SUSPECT_MAX_S = 0.25  # a unit running longer (or past timeout_s / 20) retires its runner (choice 3)
+_SUSPECT_MAX_S = 0.25  # a unit running longer (or past timeout_s / 20) retires its runner ("Scheduling")
 _STARTUP_TIMEOUT_S = 120.0
 _TICK_S = 0.02  # the scheduler's longest sleep between looks at the clock
 
@@ -105,7 +96,7 @@ class _Tally:
         return totals, metrics
 
     def warnings(self, reward: WeightedReward, above: float, timeout_s: float) -> list[str]:
-        """One line per function that failed or timed out on more than `above` of the samples (choice 7)."""
+        """One line per function that failed or timed out on more than `above` of the samples ("Warnings")."""
         n, lines = len(self.values[0]), []
         for f, term in enumerate(reward.terms):
             failed = {CAUSES[s]: k for s, k in self.causes[f].items() if k}
@@ -133,7 +124,7 @@ class _Runner:
     conn: Connection
     unit: _Unit | None = None
     started_at: float = 0.0
-    retired: bool = False  # its unit ran past the suspect time: a fresh runner took its lane (choice 3)
+    retired: bool = False  # its unit ran past the suspect time: a fresh runner took its lane ("Scheduling")
 
 
 @dataclass(eq=False)
@@ -147,7 +138,7 @@ class _Zygote:
 @dataclass(eq=False)
 class _Step:
     queue: deque[_Unit]  # units not yet started
-    progress: float  # when a unit last finished in time (or the zygote became ready): choice 3's stall clock
+    progress: float  # when a unit last finished in time (or the zygote became ready): the stall clock
     window: float  # the stall limit: timeout_s times the largest unit
 
 
@@ -175,7 +166,7 @@ class RewardPool:
     objects) or a WeightedReward. Every spec is loaded here first, so a bad spec fails now.
     `score` returns one weighted reward per sample and metrics: `reward/mean`, `reward/failed`,
     `reward/timeouts` (counts of (function, sample) pairs) and `reward/<name>/mean` per function;
-    `warnings` then holds the lines of choice 7. One `score` call at a time: not thread-safe.
+    `warnings` then holds the lines of "Warnings". One `score` call at a time: not thread-safe.
     """
 
     def __init__(self, fns: Any, *, timeout_s: float = 10.0, num_workers: int = 2,
@@ -229,7 +220,7 @@ class RewardPool:
         self.warnings = tally.warnings(self.reward, self.warn_failed_frac, self.timeout_s)
         return tally.summarize(self.reward)
 
-    # ---- scheduling (choice 3) -------------------------------------------------------------
+    # ---- scheduling ("Scheduling" in the module docstring) ---------------------------------
 
     def _start_zygote(self) -> _Zygote:
         parent_conn, child_conn = mp.Pipe()  # a socket pair; the child gets its end as an fd
@@ -286,7 +277,7 @@ class RewardPool:
             r.unit, r.started_at = unit, time.monotonic()
 
     def _fill_lanes(self) -> None:
-        """Ask the zygote for runners until `num_workers` of them are not retired (choice 3)."""
+        """Ask the zygote for runners until `num_workers` of them are not retired ("Scheduling")."""
         for _ in range(self.num_workers - sum(not r.retired for r in self._runners) - self._forking):
             try:
                 self._zygote.conn.send(("fork", 0))
@@ -332,7 +323,7 @@ class RewardPool:
         self._forking -= 1
 
     def _expire(self, step: _Step, tally: _Tally) -> None:
-        """Time-outs, retirements and the stall rule of choice 3."""
+        """Time-outs, retirements and the stall rule of "Scheduling"."""
         now = time.monotonic()
         z = self._zygote
         if not z.ready and now > z.started_at + _STARTUP_TIMEOUT_S:

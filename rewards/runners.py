@@ -114,8 +114,9 @@ def runner_main(conn: Connection, fns: list[RewardFn], timeout_s: float) -> None
 
 
 def zygote_main(fd: int) -> None:
-    """The zygote (choice 1): load the functions once, then fork a runner per request, hand its end
-    of a socket pair to the pool, and kill or reap runners; its runners go with it."""
+    """The zygote ("Processes, not threads" in rewards/pool.py): load the functions once, then fork a
+    runner per request, hand its end of a socket pair to the pool, and kill or reap runners; its runners
+    go with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     conn = Connection(fd)
     specs, timeout_s = conn.recv()

@@ -6,7 +6,7 @@ Every section is a frozen keyword-only dataclass with its defaults and a docstri
 field. Validation (rlhf/config_checks.py) runs in `__post_init__` and raises `ConfigError` with a
 one-line message that names the key and what is allowed, and the recipe's `file:line` when the key
 is written there (rlhf/config_loading.py); the entry scripts print that line and exit with status 2.
-The set of keys is a reviewed artefact: `tests/test_config.py` pins it.
+The set of keys is a reviewed artefact: `tests/unit/test_config.py` pins it.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from rlhf.config_checks import ConfigError, validate  # noqa: F401  (ConfigError: imported from here)
+from rlhf.config_checks import validate
 from rlhf.config_loading import build, deep_copy, line_of, parse_override, read_recipe
+from rlhf.errors import ConfigError  # noqa: F401  (re-exported: recipes' users import it from here)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +71,11 @@ class GenerationConfig:
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE); ignored on GPU."""
     enforce_eager: bool = False
     """Skip CUDA-graph capture (faster start, slower decode)."""
+    engine_process: Literal["inline", "separate"] = "inline"
+    """Where vLLM's engine core runs: `inline` in the generator's own process (half the start-up;
+    weights arrive by reference), or `separate`: its own process (vLLM's multiprocess mode), so the
+    generator's output processing overlaps the engine's next decode step. Decode on a GPU is bound
+    by the host, which is what `separate` is for; our calls into the engine then travel pickled."""
     ignore_eos: bool = False
     """Generate exactly `max_new_tokens` per completion (speed runs on random weights)."""
     max_num_seqs: int = 0
@@ -255,8 +259,13 @@ class LearnerConfig:
     the whole model's compute-dtype copy more on every rank."""
     fused_head: bool = True
     """LM head and log-softmax fused, chunk by chunk in forward and backward: [tokens x vocab] logits
-    never exist (rlhf.algo.logprobs choice 7). Off: the model's head and a chunked fp32 log-softmax.
-    Applies to padded micro-batches (not with share_prompts or pack_sequences)."""
+    never exist ("Fused head" in rlhf.algo.logprobs). Off: the model's head and a chunked fp32
+    log-softmax. Applies to padded micro-batches (not with share_prompts or pack_sequences)."""
+    head_kernels: Literal["eager", "fused"] = "eager"
+    """The fused head's per-chunk work over [chunk x vocab] logits: `eager` PyTorch ops (about ten
+    passes over fp32 copies: cast, scale, log-sum-exp, softmax, gradient), or `fused`: the forward
+    statistics and the logits' gradient each compiled into one kernel (torch.compile) and, on a GPU,
+    the head weight's gradient accumulated by the matmul itself in fp32. Needs `fused_head`."""
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids,
     attended with a per-document causal mask (FlexAttention skips the masked blocks; SDPA computes
@@ -438,7 +447,7 @@ def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str
             return {prefix}
         return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in data.items()))
 
-    loaded = yaml.safe_load(Path(path).read_text()) if path is not None else None
+    loaded = read_recipe(Path(path))[0] if path is not None else None
     keys = leaves(loaded, "") - {""} if isinstance(loaded, dict) else set()
     for item in overrides:
         path_parts, value = parse_override(item)

@@ -1,6 +1,8 @@
 """The config's validation: range checks per section, then the settings under which a run cannot
-learn. Each raises `ConfigError` (re-exported by rlhf.config) with one line naming the key and what
-is allowed; `RunConfig.__post_init__` runs `validate`.
+learn. Each raises `ConfigError` (rlhf.errors, also importable from rlhf.config) with one line naming
+the key and what is allowed; `RunConfig.__post_init__` runs `validate`. Validation is of values
+only: it reads no file and imports no user code, so building a config never runs a user's module
+(what the launch checks beyond the values, files and user code, is rlhf/run/preflight.py).
 
 What counts as "cannot learn" for GRPO (each refused, with the reason):
 1. Every sample of a group identical: greedy generation (`generation.temperature=0`) or
@@ -13,23 +15,14 @@ What counts as "cannot learn" for GRPO (each refused, with the reason):
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rlhf.errors import ConfigError
 
 if TYPE_CHECKING:
     from rlhf.config import (DataConfig, DPOConfig, EnvConfig, EvalConfig, GenerationConfig, LearnerConfig,
                              RewardConfig, RunConfig)
-
-
-class ConfigError(ValueError):
-    """A bad key, type or value in a recipe or an override. The message is one line; `key` is the
-    dotted key it is about (when one is), so that `load_config` can name the recipe line it is on."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
 
 
 def check(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -142,6 +135,8 @@ def _learner(l: LearnerConfig) -> None:
     check(not (l.compile and l.liger), "learner.compile",
           "false with learner.liger=true (both fuse the same work, and Liger's kernels do not trace under "
           "torch.compile: choose one)", l.compile)
+    check(l.head_kernels == "eager" or l.fused_head, "learner.head_kernels",
+          "'eager' with learner.fused_head=false (the kernels are the fused head's)", l.head_kernels)
     check(not l.compile or l.backend == "fsdp2", "learner.compile",
           "false with learner.backend=deepspeed (ZeRO's parameter hooks inside the layers break the graph)", l.compile)
     check(not l.cast_once_per_step or l.backend == "fsdp2", "learner.cast_once_per_step",
@@ -253,46 +248,3 @@ def _grpo_can_learn(c: RunConfig) -> None:
           f"> 0 (or grpo.clip_low > 0) with grpo.updates_per_step={g.updates_per_step}: a clip range of "
           f"[1, 1] clips every token once the first update moves the ratio, so the later updates change "
           f"nothing (e.g. clip_low=0.2, clip_high=0.28, or updates_per_step=1)", g.clip_high)
-
-
-def check_files(c: RunConfig) -> None:
-    """The files the config names that nothing else reads before Ray starts (the launch calls this;
-    `validate` never touches the disk): `learner.deepspeed_config`, a JSON object, read by every
-    DeepSpeed learner rank in its constructor. A JSON error names the file and line. And `env.tools`
-    and `env.environment`: each spec imported, so one that fails to is one line before start-up, and
-    with `env.sandbox=os` the boundary their code runs in made once here (`check_sandbox`)."""
-    if c.env.tools:
-        from rlhf.env.tools import load_tools
-
-        load_tools(c.env.tools)
-    if c.env.environment:
-        from rlhf.env.episodes import load_environment
-
-        load_environment(c.env.environment)
-    check_sandbox(c.env)
-    name = c.learner.deepspeed_config
-    if not name or c.learner.backend != "deepspeed":
-        return
-    path = Path(name).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"learner.deepspeed_config={name!r}: no such file", key="learner.deepspeed_config")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg}; learner.deepspeed_config)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"learner.deepspeed_config={name!r} is unreadable ({type(e).__name__})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: learner.deepspeed_config must hold a JSON object, "
-                          f"not a {type(data).__name__}")
-
-
-def check_sandbox(e: EnvConfig) -> None:
-    """No silent downgrade: a run with tools or an environment and `env.sandbox=os` refuses to start
-    where that boundary cannot be made, in one line naming why and `env.sandbox=audit_hook`."""
-    if e.sandbox != "os" or not (e.tools or e.environment):
-        return
-    from rlhf.env.sandbox import refusal
-
-    if message := refusal():
-        raise ConfigError(message, key="env.sandbox")

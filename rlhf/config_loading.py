@@ -1,6 +1,12 @@
 """From plain data and recipe files to the config's dataclasses (rlhf.config re-exports what
 callers use): type checks that name the key, overrides, and the recipe's lines, so that an error
 about a key the recipe sets names `file:line` as an editor shows it (yaml's marks are 0-based).
+
+A recipe may start from another: `base: other.yaml` (relative to the recipe's folder) takes the
+base's keys, then the recipe's merged over them section by section (a list or a value replaces the
+base's whole), then the overrides. One level only, so a variant is read against one file that says
+everything else: a base with a `base:` of its own is refused. An error about a key the base brings
+names the recipe's `base:` line.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from rlhf.config_checks import ConfigError
+from rlhf.errors import ConfigError
 
 
 def _type_name(tp: Any) -> str:
@@ -131,8 +137,49 @@ def deep_copy(d: Any) -> Any:
     return d
 
 
+BASE_KEY = "base"
+
+
 def read_recipe(p: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """The recipe's data, and the line each dotted key is written on (list items as `key[i]`)."""
+    """The recipe's data over its base's (`base:`, one level), and the line of `p` each dotted key
+    is written on (list items as `key[i]`); a key only the base sets has the `base:` line."""
+    data, lines = _read_file(p)
+    if BASE_KEY not in data:
+        return data, lines
+    where = lines.pop(BASE_KEY)
+    base_path = _base_path(p, where, data.pop(BASE_KEY))
+    base, base_lines = _read_file(base_path)
+    if BASE_KEY in base:
+        raise ConfigError(f"{p}:{where}: its base {base_path} has a base of its own ({base[BASE_KEY]!r}); "
+                          f"one level only: start {p.name} from a recipe without `base:`", key=BASE_KEY)
+    for key in base_lines:
+        lines.setdefault(key, where)
+    return _merged(base, data), lines
+
+
+def _base_path(p: Path, line: int, value: Any) -> Path:
+    """The file `base: value` names, relative to the folder of recipe `p` (written on `line`)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{p}:{line}: base={value!r} must name a YAML file (relative to the recipe's "
+                          f"folder), e.g. base: base/grpo_gsm8k.yaml", key=BASE_KEY)
+    path = p.parent / value
+    if not path.exists():
+        raise ConfigError(f"{p}:{line}: its base {path} does not exist (base: {value}, relative to the "
+                          f"recipe's folder)", key=BASE_KEY)
+    return path
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` merged over `base`: sections (mappings) key by key, any other value replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = _merged(base[key], value) if both else value
+    return out
+
+
+def _read_file(p: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """One YAML file's data, and the line each dotted key is written on (list items as `key[i]`)."""
     if p.is_dir():
         raise ConfigError(f"config file '{p}' is a folder, not a YAML file")
     if not p.is_file():

@@ -1,24 +1,24 @@
 """Offline DPO on the learner group: the whole loop in `run_dpo`, one named call per phase.
 
-Algorithmic choices (each a config key):
-1. Chosen and rejected of every pair sit in one `PreferenceBatch` (chosen rows, then rejected
-   rows); learner micro-batches keep the two rows of a pair together, so one forward pass scores
-   both. The loss is `dpo.loss_type` (sigmoid/cDPO with label smoothing, ipo, hinge, robust) or
-   SimPO, normalized by the step's pair count over all ranks.
-2. Reference log-probs: by default the frozen reference model on the learner group scores each
-   batch just before its update. With `dpo.precompute_ref` the policy itself scores the whole
-   dataset in one pass before the first update (at step 0 it *is* the reference) and no reference
-   model is ever built; the sums are cached in `<output_dir>/reference_logps.pt` and reused on
-   resume. SimPO uses no reference at all.
-3. Pairs stream through an epoch-shuffled, resumable `PromptStream` seeded with the run seed;
-   the run is `dpo.max_steps` steps, or ceil(epochs * pairs / pairs_per_step).
-4. With `eval_every > 0`, held-out pairs are scored before training (logged as step -1), every N
-   steps and at the end: eval/loss, eval/reward_accuracy (implicit reward of chosen above
-   rejected: DPO's preference accuracy), eval/margin, and eval/logp_accuracy (the policy's own
-   summed log-prob ranks chosen above rejected, meaningful before training too).
-5. A step whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
-   of them in a row, or weights that became NaN/inf, stop the run before the next save
-   (`rlhf.run.metrics.TrainHealth`).
+Decisions (each a config key):
+- Pairs together: chosen and rejected of every pair sit in one `PreferenceBatch` (chosen rows, then
+  rejected rows); learner micro-batches keep the two rows of a pair together, so one forward pass
+  scores both. The loss is `dpo.loss_type` (sigmoid/cDPO with label smoothing, ipo, hinge, robust)
+  or SimPO, normalized by the step's pair count over all ranks.
+- Reference log-probs: by default the frozen reference model on the learner group scores each
+  batch just before its update. With `dpo.precompute_ref` the policy itself scores the whole
+  dataset in one pass before the first update (at step 0 it *is* the reference) and no reference
+  model is ever built; the sums are cached in `<output_dir>/reference_logps.pt` and reused on
+  resume. SimPO uses no reference at all.
+- Data order: pairs stream through an epoch-shuffled, resumable `PromptStream` seeded with the run
+  seed; the run is `dpo.max_steps` steps, or ceil(epochs * pairs / pairs_per_step).
+- Evaluation: with `eval_every > 0`, held-out pairs are scored before training (logged as step -1),
+  every N steps and at the end: eval/loss, eval/reward_accuracy (implicit reward of chosen above
+  rejected: DPO's preference accuracy), eval/margin, and eval/logp_accuracy (the policy's own summed
+  log-prob ranks chosen above rejected, meaningful before training too).
+- Non-finite steps: a step whose loss or gradient is NaN/inf is skipped by the learners;
+  `learner.max_nonfinite_steps` of them in a row, or weights that became NaN/inf, stop the run
+  before the next save (`rlhf.run.metrics.TrainHealth`).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ class ReferenceLogps:
 
 def evaluate_pairs(learners: LearnerGroup, pairs: list[PreferencePair], ref: torch.Tensor | None,
                    objective: DPOObjective, pad_id: int) -> dict[str, float]:
-    """eval/* metrics of the current policy on held-out pairs (choice 4); {} without pairs."""
+    """eval/* metrics of the current policy on held-out pairs ("Evaluation"); {} without pairs."""
     if not pairs:
         return {}
     parts, logp_wins = [], 0.0

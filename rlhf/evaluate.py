@@ -4,23 +4,24 @@
     metrics = evaluator(cluster.generator)                 # {"eval/gsm8k/pass@1": 0.41, ...}
     evaluator.close()
 
-Choices:
-1. Correctness: a sample is correct when the task's answer checker gives it full credit,
-   `reward >= CORRECT_AT` (1.0). The checker is the task's default in `rewards.tasks.TASK_REWARDS`
-   (e.g. `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe
-   adds shaping terms (a format bonus) to its training reward; tasks without a default (local
-   files) use the recipe's first reward function (rlhf.scoring choice 2). A checker's None ("not
-   applicable") is wrong.
-2. pass@k is the unbiased estimator of Chen et al. (2021), averaged over prompts: with n samples
-   of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), computed as a product of ratios
-   (no factorials, so it is exact in floats for any n). pass@1 is the mean fraction correct.
-3. The eval subset is fixed: the first `eval.num_prompts` of the held-out split (`data.num_eval`,
-   disjoint from training, see rlhf.data.prompts), and the sampling seed is fixed too, so two evaluations
-   of the same weights draw the same samples and differences between steps are the policy's.
-4. Sampling: `eval.n` completions per prompt at `eval.temperature` (0: greedy, n=1), capped at
-   `eval.max_new_tokens` (0: `generation.max_new_tokens`); top-p/top-k as in training.
-5. Text: generators return token ids; the scorer decodes them (rlhf.scoring choice 1), in the
-   driver for evaluation and in the reward actor for training, so both see the same strings.
+Decisions:
+- Correctness: a sample is correct when the task's answer checker gives it full credit,
+  `reward >= CORRECT_AT` (1.0). The checker is the task's default in `rewards.tasks.TASK_REWARDS` (e.g.
+  `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
+  shaping terms (a format bonus) to its training reward; tasks without a default (local files) use
+  the recipe's first reward function (`rlhf.scoring.correctness_spec`). A checker's None ("not
+  applicable") is wrong.
+- pass@k: the unbiased estimator of Chen et al. (2021), averaged over prompts: with n samples
+  of which c are correct, pass@k = 1 - C(n-c, k) / C(n, k), computed as a product of ratios
+  (no factorials, so it is exact in floats for any n). pass@1 is the mean fraction correct.
+- Fixed subset: the eval subset is the first `eval.num_prompts` of the held-out split
+  (`data.num_eval`, disjoint from training, see rlhf.data.prompts), and the sampling seed is fixed
+  too, so two evaluations of the same weights draw the same samples and differences between steps
+  are the policy's.
+- Sampling: `eval.n` completions per prompt at `eval.temperature` (0: greedy, n=1), capped at
+  `eval.max_new_tokens` (0: `generation.max_new_tokens`); top-p/top-k as in training.
+- Text: generators return token ids; the scorer decodes them ("Text" in rlhf.scoring), in the
+  driver for evaluation and in the reward actor for training, so both see the same strings.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def task_label(task: str) -> str:
 
 
 def eval_sampling(cfg: RunConfig) -> SamplingSpec:
-    """Sampling of every evaluation of a run (choice 4), with its fixed seed (choice 3)."""
+    """Sampling of every evaluation of a run ("Sampling"), with its fixed seed ("Fixed subset")."""
     return SamplingSpec(
         n=cfg.eval.n, max_new_tokens=cfg.eval.max_new_tokens or cfg.generation.max_new_tokens,
         temperature=cfg.eval.temperature, top_p=cfg.generation.top_p, top_k=cfg.generation.top_k,

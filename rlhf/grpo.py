@@ -1,37 +1,26 @@
 """GRPO, on-policy or with generation running ahead: the whole loop in `run_grpo`, one named call per phase.
 
-Algorithmic choices (each a config key):
-1. Group-relative advantages: G completions per prompt, A = (r - mean_group) / std_group;
-   `grpo.scale_by_std=false` drops the std (Dr.GRPO).
-2. PPO-clip objective with asymmetric clip [1 - clip_low, 1 + clip_high] (DAPO clip-higher).
-   With one update per step (the default) the policy that sampled is the one being trained,
-   so old log-probs are the current ones detached: no extra forward pass.
-   With `grpo.updates_per_step > 1` the learners recompute old log-probs once before updating.
-3. KL to a frozen reference only when `grpo.kl_coef > 0` (k1/k2/k3 estimators); otherwise no
-   reference model exists at all.
-4. Token-level loss normalization by default (`token-mean`), over the whole step's tokens on all
-   ranks, so micro-batching and sharding never change the gradient.
-5. Weights are pushed to the generator after every optimizer step, before the next generation.
-   The generator may be several engines (data parallel); the loop sees one Generator.
-6. With `eval_every=N > 0`, pass@k on a fixed held-out subset (rlhf.evaluate) before steps 0, N,
-   2N, ... (merged into that step's record of metrics.jsonl: the policy after that many updates)
-   and once more after the last step (a record of its own, `step` = grpo.steps).
-7. A reward that fails on a sample (raises, hangs, returns NaN or a non-number, crashes its
-   worker) scores 0 there and is counted per cause (rewards.pool choice 4); one that fails on
-   every sample for `reward.max_failed_steps` steps in a row stops the run (`RewardFailure`).
-   An update whose loss or gradient is NaN/inf is skipped by the learners; `learner.max_nonfinite_steps`
-   of them in a row, or weights that became NaN/inf, stop the run before anything is synced or
-   saved (`rlhf.run.metrics.TrainHealth`).
-8. Rollouts come from a queue (rlhf.rollouts): with `grpo.max_staleness=s > 0` the engines
-   generate step k+s while the learners train on step k (asynchronous GRPO), and the loop waits
-   for them before pushing weights. The overlap is only in that schedule; each step still reads
-   generate, reward, train, sync. Stale samples are corrected by importance weights
-   (`grpo.is_correction`, rlhf.algo.losses point 5); `async/staleness` logs the lag. Colocated on a
-   GPU, the engines sleep while the learners train, so there the overlap is nil.
-9. DAPO's sampling (rlhf.sampling), each off by default: `grpo.dynamic_sampling` drops groups whose
-   rewards are all equal and generates more prompts until the step has `prompts_per_step`
-   informative groups (at most `grpo.max_sampling_rounds` generations); `grpo.overlong` filters
-   truncated responses out of the loss or adds a soft length penalty to their reward.
+Decisions (each a config key; docs/design/grpo-loop.md gives the reasons):
+- Group-relative advantages: G completions per prompt, A = (r - mean_group) / std_group;
+  `grpo.scale_by_std=false` drops the std (Dr.GRPO).
+- PPO-clip objective with the asymmetric clip [1 - clip_low, 1 + clip_high] (DAPO clip-higher). With
+  one update per step the old log-probs are the current ones detached: no extra forward pass.
+- KL only when asked: a frozen reference exists only with `grpo.kl_coef > 0`.
+- Token-level normalization (`token-mean`) over the whole step's tokens on all ranks, so
+  micro-batching and sharding never change the gradient.
+- Weights pushed every step, after the optimizer step and before the next generation; several
+  engines are one Generator to the loop.
+- Evaluation: with `eval_every=N > 0`, pass@k (rlhf.evaluate) before steps 0, N, 2N, ... (in that
+  step's record) and once after the last step.
+- Failures: a reward that fails on a sample scores 0 and is counted per cause; one that fails on
+  every sample for `reward.max_failed_steps` steps stops the run (`RewardHealth`). NaN/inf updates
+  are skipped by the learners and stop the run when they repeat (`rlhf.run.metrics.TrainHealth`).
+- Asynchronous rollouts (`RolloutQueue`): with `grpo.max_staleness=s > 0` the engines generate step
+  k+s while the learners train on step k, and the loop waits for them before pushing weights; stale
+  samples are corrected by importance weights (`grpo.is_correction`).
+- DAPO sampling (rlhf.sampling), off by default: `grpo.dynamic_sampling` and `grpo.overlong`.
+- Flat rewards warning: a step whose groups all scored one reward each cannot move the policy, so
+  in a run's first steps it is said at once, with its likeliest cause (`flat_rewards_warning`).
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ from typing import Any
 
 import torch
 
-from rlhf.algo.advantages import grpo_advantages
+from rlhf.algo.advantages import grpo_advantages, informative_groups
 from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import RunConfig
 from rlhf.data.batching import rollouts_to_batch
@@ -63,11 +52,11 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     """Train for `cfg.grpo.steps` steps (continuing from the latest checkpoint if `cfg.resume`).
 
     `prompts` yields (PromptRow, prompt token ids) pairs; `tokenizer` decodes nothing here, it
-    supplies the pad id and, with `eval_every > 0`, renders the held-out prompts (choice 6) unless
+    supplies the pad id and, with `eval_every > 0`, renders the held-out prompts ("Evaluation") unless
     `eval_set` holds them already (the scripts load it before Ray starts).
     """
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
-    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # choice 8
+    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # asynchronous rollouts
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens,
                                           quantized_rollouts=cfg.generation.quantization != "none")
@@ -81,12 +70,15 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
-        # generate and reward; dynamic sampling and over-long shaping when on (choice 9)
+        # generate and reward; dynamic sampling and over-long shaping when on (DAPO sampling)
         rollouts, sampling_metrics = collect_rollouts(step, rollout_queue, cluster.rewards, cfg, timer)
         reward_health.check(rollouts.reward_metrics)
+        signal = learning_signal(rollouts)
+        if signal["reward/informative_frac"] == 0 and step < start + FLAT_WARNING_STEPS:
+            log.warn(flat_rewards_warning(step, rollouts, cfg.generation.max_new_tokens))
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch, overlong_metrics = filter_overlong(
-            rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg.grpo)  # choice 9
+            rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg.grpo)
         with timer("train"):
             train_metrics = update_policy(cluster, batch, objective, cfg)
         train_health.check(step, train_metrics)  # before the weights go anywhere
@@ -96,7 +88,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
             sync_metrics = cluster.weight_sync.push(version=step + 1)
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
         log.log(step, {**step_metrics(step, rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
-                       **sync_metrics, **sampling_metrics, **overlong_metrics, **evals})
+                       **sync_metrics, **sampling_metrics, **overlong_metrics, **signal, **evals})
         if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
             save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()},
                             keep=cfg.keep_checkpoints)
@@ -106,12 +98,40 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     log.close()
 
 
+FLAT_WARNING_STEPS = 3  # flat rewards warning: the first steps of a run (or of a resumed part) are checked
+
+
+def learning_signal(rollouts: RolloutBatch) -> dict[str, float]:
+    """`reward/informative_frac`: the share of groups whose rewards differ (the only ones with a
+    non-zero advantage)."""
+    return {"reward/informative_frac": float(informative_groups(rollouts.rewards, rollouts.group_size).float().mean())}
+
+
+def flat_rewards_warning(step: int, rollouts: RolloutBatch, max_new_tokens: int) -> str:
+    """One line for a step whose groups all scored one reward each ("Flat rewards warning"), naming
+    the likeliest cause: truncated responses, no reward anywhere, or every response rewarded alike."""
+    r, groups = rollouts.rewards, len(rollouts.rows)
+    truncated = sum(c.finish_reason == "length" for c in rollouts.completions) / len(rollouts.completions)
+    if truncated >= 0.5:
+        cause = (f"{truncated:.0%} of the responses stopped at generation.max_new_tokens={max_new_tokens} "
+                 "before an answer: raise it")
+    elif float(r.max()) == float(r.min()):
+        cause = (f"every response scored {float(r.min()):.3g}: check that the prompt template asks for the "
+                 "answer format the reward function parses (data.prompt_template), or pick a task the model "
+                 "can sometimes solve")
+    else:
+        cause = ("each prompt's responses all scored alike: raise grpo.group_size or generation.temperature, "
+                 "or turn on grpo.dynamic_sampling")
+    return (f"warning: step {step}: no learning signal, all {groups} groups scored one reward each (mean "
+            f"{float(r.mean()):.3g}), so every advantage is 0 and this update cannot change the policy; {cause}")
+
+
 class RewardFailure(RunError):
     """A reward function failed on every sample of `reward.max_failed_steps` steps in a row."""
 
 
 class RewardHealth:
-    """Counts consecutive steps on which some reward function failed on every sample (choice 7)."""
+    """Counts consecutive steps on which some reward function failed on every sample ("Failures")."""
 
     def __init__(self, max_failed_steps: int) -> None:
         self.max_failed_steps, self.failed_steps = max_failed_steps, 0

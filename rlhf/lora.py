@@ -4,18 +4,18 @@ and the two ways the learner's weights leave it (merged into the base weights, o
 Pure helpers: no PEFT, Ray or vLLM here (the learners wrap their model with PEFT in
 actors/learner_base.py; the engine serves an adapter in actors/vllm_generator.py).
 
-Choices:
-1. Target modules are resolved here, once, into leaf names (`q_proj`, `down_proj`, ...) against the
-   model's own module tree (built on the meta device from config.json: no weights read), and PEFT
-   gets that explicit list. `all-linear` is every `nn.Linear` inside the decoder layers, so never
-   the LM head (which the learners replace by a `LogprobHead` that PEFT must not see as linear).
-2. Names: PEFT calls a base weight `base_model.model.<hf name with .base_layer>` and the adapter
-   `...<module>.lora_A.<adapter>.weight`. `merged_weights` turns a stream of those into the plain HF
-   names with W + (alpha / r) * B @ A, so a merged push is an ordinary full-weight push;
-   `adapter_weights` keeps only A and B under PEFT's file names (`...lora_A.weight`), what
-   `adapter_model.safetensors` holds and vLLM loads.
-3. The adapter config written next to the tensors is the minimal PEFT LoraConfig (r, alpha,
-   targets, no bias, no rsLoRA/DoRA): `PeftModel.from_pretrained` and vLLM both read it.
+Decisions:
+- Target modules: resolved here, once, into leaf names (`q_proj`, `down_proj`, ...) against the
+  model's own module tree (built on the meta device from config.json: no weights read), and PEFT
+  gets that explicit list. `all-linear` is every `nn.Linear` inside the decoder layers, so never
+  the LM head (which the learners replace by a `LogprobHead` that PEFT must not see as linear).
+- Names: PEFT calls a base weight `base_model.model.<hf name with .base_layer>` and the adapter
+  `...<module>.lora_A.<adapter>.weight`. `merged_weights` turns a stream of those into the plain HF
+  names with W + (alpha / r) * B @ A, so a merged push is an ordinary full-weight push;
+  `adapter_weights` keeps only A and B under PEFT's file names (`...lora_A.weight`), what
+  `adapter_model.safetensors` holds and vLLM loads.
+- Adapter config: the one written next to the tensors is the minimal PEFT LoraConfig (r, alpha,
+  targets, no bias, no rsLoRA/DoRA): `PeftModel.from_pretrained` and vLLM both read it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def decoder_linear_names(model: torch.nn.Module) -> list[str]:
 
 
 def resolve_target_modules(requested: Iterable[str], linear_names: list[str]) -> list[str]:
-    """The sorted leaf names PEFT should wrap (choice 1). `requested` entries are leaf names or
+    """The sorted leaf names PEFT should wrap ("Target modules"). `requested` entries are leaf names or
     dotted suffixes of module names, or `all-linear`. Raises ConfigError (one line) for an entry
     that matches no linear module of the decoder."""
     requested = list(requested)
@@ -66,7 +66,7 @@ def meta_model(model_path: str | Path) -> torch.nn.Module:
 
 
 def target_modules(cfg: LearnerConfig, model: torch.nn.Module) -> list[str]:
-    """`learner.lora_target_modules` resolved against `model` (choice 1)."""
+    """`learner.lora_target_modules` resolved against `model` ("Target modules")."""
     return resolve_target_modules(cfg.lora_target_modules, decoder_linear_names(model))
 
 
@@ -106,12 +106,12 @@ def adapter_file_name(name: str) -> str:
 
 
 def hf_name(peft_name: str) -> str:
-    """The plain HF name of a PEFT-wrapped base parameter (choice 2)."""
+    """The plain HF name of a PEFT-wrapped base parameter ("Names")."""
     return peft_name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 def adapter_weights(named: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """The adapter tensors of a PEFT parameter stream, under their file names (choice 2)."""
+    """The adapter tensors of a PEFT parameter stream, under their file names ("Names")."""
     for name, t in named:
         if is_adapter_name(name):
             yield adapter_file_name(name), t
@@ -145,7 +145,7 @@ def merged_weights(named: Iterable[tuple[str, torch.Tensor | None]], scale: floa
 
 
 def adapter_config(cfg: LearnerConfig, targets: list[str], base_model: str = "") -> dict[str, Any]:
-    """The `adapter_config.json` of the adapter (choice 3)."""
+    """The `adapter_config.json` of the adapter ("Adapter config")."""
     return {
         "peft_type": "LORA",
         "base_model_name_or_path": base_model,

@@ -36,7 +36,8 @@ class Generator(Protocol):
 
     def submit(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> PendingGeneration:
         """Start `generate` and return at once. The loop pushes no weights while a generation runs
-        (rlhf.rollouts choice 2), so it samples from the weights of when it was submitted."""
+        ("Weights change only between generations" in rlhf.rollouts), so it samples from the weights of
+        when it was submitted."""
         ...
 
     def generate(self, prompt_ids: Sequence[list[int]], sampling: SamplingSpec) -> list[Completion]:
@@ -95,8 +96,9 @@ class WeightSync(Protocol):
     """
 
     def push(self, version: int) -> dict[str, float]:
-        """Send the weights to every engine; return per-engine figures (`sync/engine{e}_s`: the
-        seconds engine e spent receiving and committing). The loop times the whole push itself."""
+        """Send the weights to every engine; return where the time went (`sync/engine{e}_s`: the
+        seconds engine e spent receiving and committing; `sync/gather_s` and `sync/send_s`: the
+        learners' gathering and handing over). The loop times the whole push itself."""
         ...
 
 

@@ -6,16 +6,17 @@
 A recipe names one next to reward functions, `reward.functions: [{model: path, weight: 0.5}, ...]`,
 and `rlhf.scoring.PoolScorer` mixes it in with its weight (in training, inside the reward worker).
 
-Choices:
-1. The text is the reward model's own chat template applied to the conversation: the row's messages
-   (or its prompt as one user message) followed by the response as the assistant's, without a
-   generation prompt. A tokenizer without a chat template gets prompt + response, concatenated.
-2. The score is the model's single logit at the last real token (HF's `...ForSequenceClassification`
-   heads pick it by the pad id; batches are right-padded and the pad id set when the config lacks one).
-3. On the CPU of the process that scores (the reward worker in training), float32, in batches of
-   `batch_size`, under `torch.no_grad`. Placing reward models on GPUs is not done here.
-4. Unlike reward functions, nothing is caught: a model that cannot score stops the run (it is part
-   of the setup, not a sample's failure); `check_reward_model` loads its config before Ray starts.
+Decisions:
+- Text: the text is the reward model's own chat template applied to the conversation: the row's
+  messages (or its prompt as one user message) followed by the response as the assistant's, without
+  a generation prompt. A tokenizer without a chat template gets prompt + response, concatenated.
+- Score: the model's single logit at the last real token (HF's
+  `...ForSequenceClassification` heads pick it by the pad id; batches are right-padded and the pad
+  id set when the config lacks one).
+- Where: on the CPU of the process that scores (the reward worker in training), float32, in batches
+  of `batch_size`, under `torch.no_grad`. Placing reward models on GPUs is not done here.
+- Nothing caught: unlike reward functions, a model that cannot score stops the run (it is part
+  of the setup, not a sample's failure); `check_reward_model` loads its config before Ray starts.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from rlhf.types import PromptRow
 
 
 def check_reward_model(path: str) -> None:
-    """Raise RewardLoadError (one line) unless `path` is a model folder with one output (choice 4)."""
+    """Raise RewardLoadError (one line) unless `path` is a model folder with one output ("Nothing caught")."""
     from transformers import AutoConfig
 
     from rewards.api import RewardLoadError
@@ -51,7 +52,8 @@ def reward_model_name(path: str) -> str:
 
 
 class RewardModel:
-    """A sequence-classification model with one output, scoring (row, response) pairs (choices 1-3)."""
+    """A sequence-classification model with one output, scoring (row, response) pairs ("Text", "Score",
+    "Where")."""
 
     def __init__(self, path: str, *, batch_size: int = 8) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -66,7 +68,7 @@ class RewardModel:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
 
     def text(self, row: PromptRow, response: str) -> str:
-        """The conversation as the reward model reads it (choice 1)."""
+        """The conversation as the reward model reads it ("Text")."""
         if self.tokenizer.chat_template is None:
             return row.user_text() + response
         messages: list[dict[str, Any]] = (list(row.prompt) if not isinstance(row.prompt, str)

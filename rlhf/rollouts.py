@@ -1,26 +1,27 @@
 """Rollouts of each GRPO step, generated on-policy or up to `grpo.max_staleness` steps ahead.
 
-Choices:
-1. A queue of generations, one per step, oldest first. With max_staleness = s it holds the
-   generations of steps k..k+s when step k takes its rollouts (`next`): the generation of step k+s
-   is submitted then, with the weights the engines hold (version k), and runs while the learners
-   train on step k. s = 0 is the synchronous loop: submit, wait, train.
-2. Weights change only between generations: before a push the loop waits for every generation
-   still running (`finish`); their results stay queued. So every sample of a generation comes
-   from one weight version, recorded with it (`RolloutBatch.version`), and step k trains on
-   samples of version max(k - s, first step of the run): a lag of exactly s once the queue is full.
-3. Prompts leave the stream when their generation is submitted, so a checkpoint's stream position
-   counts the queued steps, and their finished rollouts are saved beside it (`state_dict`): the
-   weights that generated them are in no checkpoint, so they could not be regenerated. A resumed
-   run trains on the very samples the interrupted run would have.
-4. Sampling seeds derive from (run seed, step): the schedule never changes the samples.
-5. `more` generates extra prompts for the step being trained (dynamic sampling, rlhf.sampling),
-   on-policy only: they come from the same prompt stream, so its checkpointed position covers
-   them, and round r of a step samples with its own seed (derived from run seed, step, r).
-6. Multi-turn episodes (rlhf.env.episodes) are driven from this process, turn by turn. Running
-   ahead (s > 0), they run in the queue's one background thread, so they overlap training as a
-   single-turn generation does (one thread: generations still run one at a time, oldest first);
-   on-policy, in the caller's thread.
+Decisions (docs/design/grpo-loop.md, "Asynchronous rollouts"):
+- A queue of generations, one per step, oldest first. With max_staleness = s it holds the
+  generations of steps k..k+s when step k takes its rollouts (`next`): the generation of step k+s
+  is submitted then, with the weights the engines hold (version k), and runs while the learners
+  train on step k. s = 0 is the synchronous loop: submit, wait, train.
+- Weights change only between generations: before a push the loop waits for every generation
+  still running (`finish`); their results stay queued. So every sample of a generation comes
+  from one weight version, recorded with it (`RolloutBatch.version`), and step k trains on
+  samples of version max(k - s, first step of the run): a lag of exactly s once the queue is full.
+- Queued rollouts are checkpointed: prompts leave the stream when their generation is submitted, so
+  a checkpoint's stream position counts the queued steps, and their finished rollouts are saved
+  beside it (`state_dict`): the weights that generated them are in no checkpoint, so they could not
+  be regenerated. A resumed run trains on the very samples the interrupted run would have.
+- Seeds from (run seed, step): the schedule never changes the samples.
+- Extra rounds: `more` generates extra prompts for the step being trained (dynamic sampling,
+  rlhf.sampling), on-policy only: they come from the same prompt stream, so its checkpointed
+  position covers them, and round r of a step samples with its own seed (derived from run seed,
+  step, r).
+- Episodes in the queue's thread: multi-turn episodes (rlhf.env.episodes) are driven from this
+  process, turn by turn. Running ahead (s > 0), they run in the queue's one background thread, so
+  they overlap training as a single-turn generation does (one thread: generations still run one at a
+  time, oldest first); on-policy, in the caller's thread.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class Finished:
 
 @dataclass
 class _InBackground:
-    """A `PendingGeneration` running in the queue's thread (choice 6): its future holds
-    (completions, engine metrics)."""
+    """A `PendingGeneration` running in the queue's thread ("Episodes in the queue's thread"): its future
+    holds (completions, engine metrics)."""
 
     future: Future
 
@@ -85,12 +86,13 @@ class _Queued:
 
 
 class RolloutQueue:
-    """The generations of the coming steps (choice 1); `state_dict` makes it part of a checkpoint."""
+    """The generations of the coming steps ("A queue of generations"); `state_dict` makes it part of a
+    checkpoint."""
 
     def __init__(self, generator: Generator, prompts: PromptStream, cfg: RunConfig,
                  episodes: EpisodeSampler | None = None) -> None:
         self.generator, self.prompts, self.cfg = generator, prompts, cfg
-        self.episodes = episodes  # multi-turn (rlhf.env.episodes); in a thread when running ahead (choice 6)
+        self.episodes = episodes  # multi-turn (rlhf.env.episodes); in a thread when running ahead
         self.ahead = cfg.grpo.max_staleness
         self._queue: deque[_Queued] = deque()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="episodes") if episodes and self.ahead else None
@@ -111,7 +113,7 @@ class RolloutQueue:
 
     def more(self, step: int, round: int) -> RolloutBatch:
         """Another `prompts_per_step` prompts of step `step`, generated now with the weights the
-        engines hold (choice 5); only with nothing queued (max_staleness = 0)."""
+        engines hold ("Extra rounds"); only with nothing queued (max_staleness = 0)."""
         if self._queue:
             raise RuntimeError(f"extra rollouts for step {step} asked for with {len(self._queue)} "
                                "steps queued")
@@ -123,7 +125,7 @@ class RolloutQueue:
                             version=item.version)
 
     def finish(self) -> None:
-        """Wait for every generation still running (before weights change: choice 2)."""
+        """Wait for every generation still running ("Weights change only between generations")."""
         for item in self._queue:
             item.wait()
 
@@ -140,7 +142,8 @@ class RolloutQueue:
         self._queue.append(item)
 
     def state_dict(self) -> dict[str, Any]:
-        """The prompt stream's position and the queued steps' finished rollouts (choice 3)."""
+        """The prompt stream's position and the queued steps' finished rollouts ("Queued rollouts are
+        checkpointed")."""
         self.finish()
         queued = [dict(step=q.step, version=q.version, rows=q.rows, prompt_ids=q.prompt_ids,
                        completions=q.completions, engine_metrics=q.engine_metrics) for q in self._queue]
@@ -155,9 +158,9 @@ class RolloutQueue:
 
 
 def sampling_spec(cfg: RunConfig, step: int, round: int = 0) -> SamplingSpec:
-    """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed
-    run draws the same samples as an uninterrupted one, whatever the number of engines. Extra round
-    r > 0 of a step (choice 5) offsets the seed by r * 2**32, beyond every step's and the evaluation's."""
+    """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed run
+    draws the same samples as an uninterrupted one, whatever the number of engines. Extra round r > 0 of
+    a step ("Extra rounds") offsets the seed by r * 2**32, beyond every step's and the evaluation's."""
     gen = cfg.generation
     return SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config import ConfigError, LearnerConfig, RunConfig
+from rlhf.config import LearnerConfig, RunConfig
+from rlhf.errors import ConfigError
 
 
 def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
@@ -74,7 +75,7 @@ def scores_reference(cfg: RunConfig) -> bool:
 def holds_reference_model(cfg: RunConfig) -> bool:
     """Whether the learners keep a frozen copy of the model to score the reference: whenever the
     loop asks for reference log-probs, except with LoRA, where the reference is the policy with its
-    adapters off (actors.learner_base choice 9)."""
+    adapters off ("LoRA" in actors/learner_base.py)."""
     return scores_reference(cfg) and cfg.learner.lora_rank == 0
 
 

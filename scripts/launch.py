@@ -158,7 +158,7 @@ def checked_run(doc: str, default_config: str, algorithm: str, argv: list[str] |
     and the checkpoint to resume from, run `prepare(cfg)` (everything else that can fail on bad
     input, the resume's fit to its checkpoint included), and with overwrite=true delete the earlier
     run last. Returns the settled config and what `prepare` returned."""
-    from rlhf.config_checks import check_files
+    from rlhf.run.preflight import check_files
     from rlhf.run.folder import check_run_folder, clear_earlier_run
 
     args = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse(

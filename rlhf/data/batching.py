@@ -35,7 +35,7 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)
     for i, (p, c) in enumerate(zip(prompts, rollouts.completions)):
         sampler_lp[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
-        if c.mask is not None:  # a multi-turn episode: its model tokens only (rlhf.env.episodes choice 4)
+        if c.mask is not None:  # a multi-turn episode: its model tokens only (rlhf.env.episodes)
             loss_mask[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.mask, dtype=torch.bool)
     return TrainBatch(
         input_ids=input_ids,

@@ -31,15 +31,23 @@ def model_config(path: str | Path) -> dict[str, Any] | None:
     file = Path(path) / "config.json"
     if not file.is_file():
         return None
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file} is unreadable ({type(e).__name__}: {e})") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{file} must hold a JSON object")
+    config = read_json_object(file)
     return config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+
+
+def read_json_object(file: Path, key: str | None = None) -> dict[str, Any]:
+    """The JSON object in `file`; a ConfigError naming the file (and its line, and the config `key`
+    that named it) when it is unreadable, not JSON, or not an object."""
+    named = f"; {key}" if key else ""
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}:{e.lineno}: invalid JSON ({e.msg}{named})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file} is unreadable ({type(e).__name__}: {e}{named})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file} must hold a JSON object, not a {type(data).__name__}{named}")
+    return data
 
 
 def check_model_files(path: str, key: str = "model.path") -> None:

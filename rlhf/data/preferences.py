@@ -3,36 +3,27 @@
     data = load_preference_data(cfg, tokenizer)     # data.train, data.eval: list[PreferencePair]
     print(data.stats)                               # rows read, kept, truncated, dropped, skipped
 
-Sources (`dpo.dataset`):
-    arithmetic_pairs   built offline from the `arithmetic` task: chosen = the worked correct answer
-                       ("12 + 7 = 19. The answer is 19."), rejected = the same with a wrong result
-    countdown_pairs    from the `countdown` task: chosen = a solving expression, rejected = the same
-                       expression with one operator changed so it misses the target
-    hhh_alignment      BIG-bench's helpful/honest/harmless pairs
-                       (`python -m rlhf.data.assets fetch hhh-alignment`)
-    jsonl:<path>, parquet:<path>, hf:<dataset>[:<split>]
+Sources (`dpo.dataset`): `arithmetic_pairs` and `countdown_pairs` (built offline from those tasks:
+a correct answer against the same with a wrong result or operator), `hhh_alignment` (BIG-bench's
+helpful/honest/harmless pairs, `python -m scripts.assets fetch hhh-alignment`), and
+`jsonl:<path>`, `parquet:<path>`, `hf:<dataset>[:<split>]`. Row layouts, detected per row: plain
+(`prompt`, `chosen`, `rejected`), messages (`chosen`/`rejected` are chat conversations,
+UltraFeedback-binarized) and hh-rlhf ("\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts).
+docs/design/data.md has both in full.
 
-Row layouts (detected per row):
-    plain     `prompt` (text or chat messages), `chosen`, `rejected` (text)
-    messages  `chosen`/`rejected` are chat conversations (UltraFeedback-binarized): the last message
-              is the assistant's response; the messages before it are the prompt when the row has no
-              `prompt`, and a text `prompt` is checked against them otherwise
-    hh-rlhf   no `prompt`; `chosen`/`rejected` are "\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts:
-              everything before the last "\\n\\nAssistant:" is the prompt (its turns become messages)
-
-Choices:
-1. Tokenization goes through the chat template: the prompt with the generation prompt, the
-   response as the tokens the full conversation adds after it (the template's end-of-turn
-   included), so the model learns to stop. `data.use_chat_template=false` uses raw text plus EOS.
-2. Over-long pairs (prompt + longer response > `dpo.max_length`): `dpo.truncation=truncate` keeps
-   the prompt, cut to its last `dpo.max_prompt_length` tokens if longer, and cuts both responses to
-   the room left; `drop` removes the pair. Either way the count is in `stats`.
-3. Malformed rows (a missing field, a non-text response, an empty response, chosen == rejected):
-   `dpo.on_malformed=error` raises naming where the row is (`file.jsonl:LINE`, `file.parquet row
-   N`, as the user finds it, not its place after shuffling); `skip` counts them.
-4. Splits: built-in task sets draw train and eval from the task's disjoint splits; fixed sources
-   are shuffled with `data.seed`, eval = the first `dpo.num_eval` rows, train = the next
-   `dpo.num_train` (0 = all), so the eval pairs stay the same when num_train changes.
+Decisions (docs/design/data.md, "Preference pairs"):
+- Chat-template tokenization: the prompt with the generation prompt, the response as the tokens the
+  full conversation adds after it (the template's end-of-turn included), so the model learns to
+  stop. `data.use_chat_template=false` uses raw text plus EOS.
+- Over-long pairs (prompt + longer response > `dpo.max_length`): `dpo.truncation=truncate` keeps
+  the prompt, cut to its last `dpo.max_prompt_length` tokens if longer, and cuts both responses to
+  the room left; `drop` removes the pair. Either way the count is in `stats`.
+- Malformed rows (a missing field, a non-text response, an empty response, chosen == rejected):
+  `dpo.on_malformed=error` raises naming where the row is (`file.jsonl:LINE`, `file.parquet row
+  N`, as the user finds it, not its place after shuffling); `skip` counts them.
+- Pair splits: built-in task sets draw train and eval from the task's disjoint splits; fixed
+  sources are shuffled with `data.seed`, eval = the first `dpo.num_eval` rows, train = the next
+  `dpo.num_train` (0 = all), so the eval pairs stay the same when num_train changes.
 """
 
 from __future__ import annotations
@@ -207,13 +198,13 @@ def countdown_pairs(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
 
 
 def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
-    """BIG-bench hhh_alignment, converted by `rlhf.data.assets` to prompt/chosen/rejected JSONL."""
+    """BIG-bench hhh_alignment, converted by `scripts.assets` to prompt/chosen/rejected JSONL."""
     from rlhf.data.assets import data_file, is_fetched
 
     path = data_file("hhh_alignment.jsonl")
     if not is_fetched(path):
         raise FileNotFoundError("dpo.dataset=hhh_alignment needs "
-                                "`python -m rlhf.data.assets fetch hhh-alignment` "
+                                "`python -m scripts.assets fetch hhh-alignment` "
                                 "(extracts BIG-bench's pairs from its source package)")
     return [rec for _, rec in _seeded_split(_read_file("jsonl", path), cfg, split)]
 
@@ -285,7 +276,7 @@ def _load_located(cfg: RunConfig, split: str) -> tuple[list[tuple[str, Any]], st
 
 
 def tokenize_row(row: PreferenceRow, tokenizer: Any, data_cfg: DataConfig) -> tuple[list[int], list[int], list[int]]:
-    """(prompt ids, chosen ids, rejected ids); see choice 1."""
+    """(prompt ids, chosen ids, rejected ids), through the chat template ("Chat-template tokenization")."""
     from rlhf.data.prompts import render_prompt
 
     prompt_ids = render_prompt(PromptRow(prompt=row.prompt), tokenizer, data_cfg)
@@ -310,7 +301,7 @@ def tokenize_row(row: PreferenceRow, tokenizer: Any, data_cfg: DataConfig) -> tu
 
 def fit_length(prompt: list[int], chosen: list[int], rejected: list[int], max_length: int,
                max_prompt_length: int) -> tuple[list[int], list[int], list[int]]:
-    """Choice 2's truncation: prompt cut to its last max_prompt_length tokens if longer, then both
+    """Over-long pairs, truncated: prompt cut to its last max_prompt_length tokens if longer, then both
     responses cut to the room left under max_length."""
     if len(prompt) + max(len(chosen), len(rejected)) <= max_length:
         return prompt, chosen, rejected

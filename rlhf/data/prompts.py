@@ -6,31 +6,22 @@
     batch = stream.take(cfg.grpo.prompts_per_step)      # stream.state_dict() goes in checkpoints
 
 Tasks (`data.task`): `arithmetic`, `gsm_symbolic`, `countdown` (reasoning-gym generators),
-`game24` (the Tree-of-Thoughts puzzles fetched by `python -m rlhf.data.assets fetch`),
+`game24` (the Tree-of-Thoughts puzzles fetched by `python -m scripts.assets fetch`),
 `tool_products` (2x2-digit products for the calculator tool, after a worked call), `champ`
 (competition math shipped in the `champ-dataset` package), `gsm8k` and `math` (model hub), and
 `jsonl:<path>` / `parquet:<path>` for local files.
 
-Choices:
-1. reasoning-gym builds item i of seed s from `Random(s + i)`, so seeds s and s+1 share all but one
-   item. The eval split therefore draws from seed `s + EVAL_SEED_OFFSET` and skips any prompt that
-   is in the train split. Train rows are a sample with replacement: a small task space may repeat.
-2. Fixed-size sources (game24, local files) are shuffled once with the seed; eval takes the first
-   `num_eval` rows and train the next `num_train`, so the eval set stays the same when num_train
-   changes. Hub datasets use their own test split for eval. For fixed-size sources num_train and
-   num_eval are upper bounds.
-3. `data.prompt_template` is formatted with `question` (the task's question text) and every field
-   of the row's `meta`, e.g. "{question}\\nUse the numbers {numbers}." for countdown.
-4. Local files are read in any of the layouts the hub loaders know, detected from the columns:
-   `prompt`[/`answer`], GSM8K (`question`/`answer` with "#### N"), MATH (`problem`/`solution`
-   [/`answer`]). Other columns go to `meta`. A row that is not in the layout of the file's first
-   row (a missing column, an empty prompt, not an object), invalid JSON or text that is not UTF-8
-   is one error line naming `file.jsonl:LINE` (`file.parquet row N`), where the user finds it.
-5. Hub datasets: `gsm8k` is openai/gsm8k (`main`: train 7,473 / test 1,319); `math` trains on
-   EleutherAI/hendrycks_math (the original MATH layout: one config per subject, columns
-   problem/level/type/solution, the answer is the solution's last `\\boxed{}`; 7,500 train
-   problems) and evaluates on HuggingFaceH4/MATH-500 (problem/solution/answer/subject/level/
-   unique_id), disjoint from MATH's train split.
+Decisions (each a section of docs/design/data.md):
+- Generated splits: reasoning-gym's seeds s and s+1 share all but one item, so the eval split draws
+  from seed `s + EVAL_SEED_OFFSET` and skips any prompt of the train split.
+- Fixed-size sources (game24, local files) are shuffled once with the seed; eval takes the first
+  `num_eval` rows and train the next `num_train`, so the eval set stays the same when num_train
+  changes. Hub datasets use their own test split for eval.
+- Prompt template: `data.prompt_template` is formatted with `question` and the row's `meta` fields.
+- Local files in any layout the hub loaders know, detected from the columns; a bad row is one
+  error line naming `file.jsonl:LINE` (`file.parquet row N`), where the user finds it.
+- Hub datasets: `gsm8k` is openai/gsm8k; `math` trains on EleutherAI/hendrycks_math and evaluates
+  on HuggingFaceH4/MATH-500, disjoint from MATH's train split.
 """
 
 from __future__ import annotations
@@ -75,7 +66,7 @@ def _row(template: str, question: Any, answer: Any, meta: dict[str, Any]) -> Pro
 
 
 def _seeded_split(rows: list[T], cfg: DataConfig, split: Split) -> list[T]:
-    """Shuffle with the seed; eval = first num_eval, train = the next num_train (see choice 2)."""
+    """Shuffle with the seed; eval = first num_eval, train = the next num_train ("Fixed-size sources")."""
     order = list(rows)
     random.Random(cfg.seed).shuffle(order)
     if split == "eval":
@@ -143,7 +134,7 @@ def load_game24(cfg: DataConfig, split: Split) -> list[PromptRow]:
     path = data_file("game24.csv")
     if not path.is_file():
         raise FileNotFoundError(f"task 'game24' needs {path}; run `bash scripts/setup.sh` "
-                                f"(or `python -m rlhf.data.assets fetch game24`)")
+                                f"(or `python -m scripts.assets fetch game24`)")
     rows = []
     with open(path, newline="") as f:
         for rec in csv.DictReader(f):
@@ -174,7 +165,7 @@ TOOL_EXAMPLE = [  # one worked calculator call, as earlier chat turns (tool_prod
 def load_tool_products(cfg: DataConfig, split: Split, size: int = 3000) -> list[PromptRow]:
     """`size` distinct 2x2-digit products "What is A * B?" (A, B in 10..99, in the order Random(0)
     draws them), each after TOOL_EXAMPLE: a task a small model cannot do alone and can with the
-    calculator tool (configs/grpo_tools_smollm2_cpu.yaml). A fixed-size source (choice 2)."""
+    calculator tool (configs/grpo_tools_smollm2_cpu.yaml). A fixed-size source."""
     draw, seen, rows = random.Random(0), set(), []
     while len(rows) < size:
         a, b = draw.randint(10, 99), draw.randint(10, 99)
@@ -344,7 +335,7 @@ FILE_FORMATS: dict[str, Callable[[Path], list[Located]]] = {
 
 
 def load_local_file(cfg: DataConfig, split: Split) -> list[PromptRow]:
-    """`jsonl:<path>` / `parquet:<path>`: one file, split by seeded shuffle (choice 2)."""
+    """`jsonl:<path>` / `parquet:<path>`: one file, split by seeded shuffle ("Fixed-size sources")."""
     kind, _, name = cfg.task.partition(":")
     path = Path(name).expanduser()
     if not path.is_file():

@@ -8,31 +8,22 @@ episode, until an answer, `env.max_turns` or the token budget.
 
     completions, metrics = run_episodes(generator, rows, prompt_ids, sampling, Guess, suffix)
 
-Choices:
-1. An environment is a callable `row -> episode` whose episode has `step(turn_text) -> Observation`:
-   messages to append (rendered through the chat template) or `done` with an optional reward.
-   `ToolEnvironment` is the built-in one (`env.tools`): tool calls in the turn run (rlhf.env.tools),
-   their outputs come back as `tool` messages; a turn without a tool call is the answer. Your own is
-   named by `env.environment` (`my_env.py:Guess`), loaded like a reward function; one or the other,
-   never both (the tools live inside the tool environment).
-2. One `Generator.generate` call per turn over every active episode of the step, so turns batch
-   across the data-parallel engines as single-turn steps do. The first turn samples the G episodes
-   of a prompt as today (`sampling.n` = G, the same seeds); from then on each episode is its own
-   prompt with n=1, seeded from `sampling.prompt_seed` of a turn index outside the prompts' range,
-   so a run's episodes are reproducible.
-3. Token ids are never re-tokenized: the next turn's prompt is the previous prompt's ids, the ids
-   the engine produced, then the tokenized environment messages (`ChatSuffix`). What the learner
-   trains on is exactly what the engine saw and sampled.
-4. An episode is one training row: prompt, then model and environment tokens interleaved, as one
-   `Completion` whose `mask` is True on the model's tokens only; its `logprobs` are the engine's
-   on those tokens and 0 elsewhere (masked out of the loss and the mismatch metric).
-5. The token budget is `sampling.max_new_tokens` for the whole episode (model and environment
-   tokens together), so a row is never longer than a single-turn one. A turn that reaches it, or
-   environment messages that would pass it, end the episode (`token_budget`); a turn is cut at the
-   budget even if the engine sampled past it (one max_new_tokens serves a whole turn's call).
-6. Rewards: an episode ended with `Observation.reward` keeps it; otherwise (`reward` None, as the
-   tool environment does) `reward.functions` score the model's own tokens (`Completion.model_token_ids`:
-   every turn, tool outputs left out, so an answer copied from a tool's output still has to be written).
+Decisions (each a section of docs/design/episodes.md):
+- Environments: a callable `row -> episode` whose episode has `step(turn_text) -> Observation`
+  (messages to append, or `done` with an optional reward). `ToolEnvironment` is the built-in one
+  (`env.tools`); your own is named by `env.environment`, loaded like a reward function; never both.
+- One call per turn: one `Generator.generate` over every active episode of the step, so turns batch
+  across engines. The first turn samples a prompt's G episodes as a single-turn step would; later
+  turns are n=1 prompts seeded outside the prompts' range, so episodes are reproducible.
+- No re-tokenization: the next turn's prompt is the previous prompt's ids, the ids the engine
+  produced, then the tokenized environment messages (`ChatSuffix`): the learner trains on exactly
+  what the engine saw and sampled.
+- One row per episode: one `Completion` whose `mask` is True on the model's tokens only, with the
+  engine's log-probs there and 0 elsewhere.
+- Token budget: `sampling.max_new_tokens` covers the whole episode, so a row is never longer than a
+  single-turn one; reaching it ends the episode (`token_budget`).
+- Rewards: an episode ended with `Observation.reward` keeps it; otherwise `reward.functions` score
+  the model's own tokens (`Completion.model_token_ids`: tool outputs left out).
 """
 
 from __future__ import annotations
@@ -47,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from rewards.api import RewardLoadError, load_function
-from rlhf.config_checks import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.protocols import Generator
 from rlhf.run.metrics import add_engine_metrics
 from rlhf.env.sandbox import MODES, SandboxMode, use_mode
@@ -59,7 +50,7 @@ if TYPE_CHECKING:
 
 ENDS = ("answer", "max_turns", "token_budget")
 """Why an episode ended: the model answered (or the environment said done), it used `max_turns`
-turns, or the token budget ran out (choice 5)."""
+turns, or the token budget ran out ("Token budget")."""
 
 
 @dataclass
@@ -71,7 +62,7 @@ class Observation:
     done: bool = False
     """The episode is over (the turn was the answer)."""
     reward: float | None = None
-    """The episode's reward when `done`; None leaves it to reward.functions (choice 6)."""
+    """The episode's reward when `done`; None leaves it to reward.functions ("Rewards")."""
     counts: dict[str, int] = field(default_factory=dict)
     """Events of this step to add to the metrics (`tool_calls`, `tool_errors`, `tool_timeouts`)."""
 
@@ -81,11 +72,11 @@ class Episode(Protocol):
 
 
 Environment = Callable[[PromptRow], Episode]
-"""`row -> episode` (choice 1): a class taking a PromptRow is one."""
+"""`row -> episode` ("Environments"): a class taking a PromptRow is one."""
 
 
 def load_environment(spec: str) -> Environment:
-    """The environment `env.environment` names (choice 1), through the reward loader; a spec that
+    """The environment `env.environment` names ("Environments"), through the reward loader; a spec that
     does not import, names nothing callable or takes other than one argument (the row) is a
     one-line ConfigError naming `env.environment`."""
     try:
@@ -133,7 +124,7 @@ class ToolEnvironment:
 
 class ChatSuffix:
     """Token ids of environment messages rendered by the tokenizer's chat template, as they follow an
-    assistant turn the engine ended (choice 3).
+    assistant turn the engine ended ("No re-tokenization").
 
     The template renders a fixed conversation ending in an assistant turn whose content is a marker,
     then the messages and the next assistant prompt; the text after the marker is the suffix. When
@@ -186,7 +177,8 @@ def run_episodes(generator: Generator, rows: Sequence[PromptRow], prompt_ids: Se
     g, budget = sampling.n, sampling.max_new_tokens
     runs = [_Run(list(p), environment(row)) for row, p in zip(rows, prompt_ids) for _ in range(g)]
     engine: dict[str, float] = {}
-    completions = generator.generate(prompt_ids, sampling)  # turn 1: the groups as single-turn (choice 2)
+    # Turn 1: the groups as single-turn ("One call per turn" in the module docstring).
+    completions = generator.generate(prompt_ids, sampling)
     active = list(range(len(runs)))
     turn = 0
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env") as pool:
@@ -277,7 +269,7 @@ class EpisodeSampler:
     @classmethod
     def from_config(cls, env: EnvConfig, generator: Generator, tokenizer: Any) -> EpisodeSampler | None:
         """The episodes of `env.environment`, or of the tool environment of `env.tools`; None when
-        neither is set (single-turn GRPO). Validation refuses both at once (choice 1). Sets the mode
+        neither is set (single-turn GRPO). Validation refuses both at once ("Environments"). Sets the mode
         of the code they run (`rlhf.env.sandbox.run_python`) to `env.sandbox`."""
         if env.environment:
             environment: Environment = load_environment(env.environment)
@@ -299,7 +291,7 @@ class EpisodeSampler:
 
 def with_env_rewards(rewards: torch.Tensor, completions: Sequence[Completion]) -> torch.Tensor:
     """The reward functions' scores with each episode's environment reward, where it gave one, in
-    their place (choice 6)."""
+    their place ("Rewards")."""
     env = [(i, c.reward) for i, c in enumerate(completions) if c.reward is not None]
     if not env:
         return rewards

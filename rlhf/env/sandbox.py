@@ -2,20 +2,20 @@
 runner an environment of your own (`env.environment`) calls for the code it executes.
 
 `env.sandbox` picks the boundary (`use_mode`, set from the config when the episodes are built):
-1. `os` (the default): each call runs under bubblewrap in its own user, mount, PID, IPC, UTS,
-   cgroup and network namespaces, as uid/gid 65534 with no capabilities and no new privileges,
-   under a seccomp filter that refuses new processes (threads run) and a few kernel interfaces no
-   script needs. Its file system is a read-only root holding only /usr (and the /lib, /bin links),
-   the Python installation's prefix and the loader cache; its folder is a private, size-capped
-   tmpfs, the only writable place. So: no network (a loopback of its own), no files, environment
-   or processes of the run, and the namespace dies with the call. Why bubblewrap: one small
-   binary in every distribution, tens of milliseconds a call, where a container per call costs a
-   daemon and far more. Not guaranteed: the kernel itself (a bug reachable from an unprivileged
-   process is reachable here), CPU and memory shared with the run (the limits below bound them),
-   and what the read-only view holds (/usr, the Python installation) can be read.
-2. `audit_hook`: the same process without namespaces; the only barrier is an audit hook
-   (sys.addaudithook), a CPython tripwire that code can step around (RELIABILITY.md). Accepted
-   only by name: where the `os` boundary cannot be made the run refuses to start (`refusal`).
+- `os` (the default): each call runs under bubblewrap in its own user, mount, PID, IPC, UTS,
+  cgroup and network namespaces, as uid/gid 65534 with no capabilities and no new privileges,
+  under a seccomp filter that refuses new processes (threads run) and a few kernel interfaces no
+  script needs. Its file system is a read-only root holding only /usr (and the /lib, /bin links),
+  the Python installation's prefix and the loader cache; its folder is a private, size-capped
+  tmpfs, the only writable place. So: no network (a loopback of its own), no files, environment
+  or processes of the run, and the namespace dies with the call. Why bubblewrap: one small
+  binary in every distribution, tens of milliseconds a call, where a container per call costs a
+  daemon and far more. Not guaranteed: the kernel itself (a bug reachable from an unprivileged
+  process is reachable here), CPU and memory shared with the run (the limits below bound them),
+  and what the read-only view holds (/usr, the Python installation) can be read.
+- `audit_hook`: the same process without namespaces; the only barrier is an audit hook
+  (sys.addaudithook), a CPython tripwire that code can step around (RELIABILITY.md). Accepted
+  only by name: where the `os` boundary cannot be made the run refuses to start (`refusal`).
 In both: `python -I -S -B` (standard library only), an environment of PATH, LANG, HOME and TMPDIR
 (the folder) only, the code read from stdin, and limits set by the child's first lines before the
 code runs (not in a `preexec_fn`, unsafe in the threaded driver): CPU seconds, address space, file
@@ -122,7 +122,7 @@ class SandboxLimits:
     """Size of the folder's tmpfs in `os` mode, all files together, in MiB."""
     processes: int = 16
     """Processes and threads at once (RLIMIT_NPROC, which binds no process of root; in `os` mode no
-    new process starts at all, choice 1)."""
+    new process starts at all: the `os` boundary)."""
     max_output_chars: int = 2000
     """Characters of output returned; the rest is cut."""
 
@@ -140,13 +140,13 @@ class SandboxResult:
 @dataclass(frozen=True)
 class Layers:
     """What stands between the code and the machine; `MODES` names the two a run may choose. Other
-    combinations exist for the escape tests (tests/test_sandbox_escapes.py), which show what each
+    combinations exist for the escape tests (tests/unit/test_sandbox_escapes.py), which show what each
     layer stops."""
 
     namespaces: bool
-    """bubblewrap's namespaces and read-only view (choice 1)."""
+    """bubblewrap's namespaces and read-only view (the `os` boundary)."""
     audit_hook: bool
-    """The audit hook inside the process (choice 2)."""
+    """The audit hook inside the process (the `audit_hook` boundary)."""
 
 
 MODES: dict[str, Layers] = {"os": Layers(namespaces=True, audit_hook=True),
@@ -239,7 +239,7 @@ def _interpreter() -> list[str]:
 
 
 def _namespaces_argv(limits: SandboxLimits, seccomp_fd: int) -> list[str]:
-    """bubblewrap's command line for one call (choice 1): every namespace, an unprivileged user, the
+    """bubblewrap's command line for one call (the `os` boundary): every namespace, an unprivileged user, the
     seccomp filter read from `seccomp_fd`, the read-only view of what the interpreter needs, the
     folder's tmpfs, then the root made read-only."""
     bwrap, optional = _bwrap()
@@ -261,7 +261,8 @@ def _namespaces_argv(limits: SandboxLimits, seccomp_fd: int) -> list[str]:
     return argv + (["--disable-userns"] if "--disable-userns" in optional else [])
 
 
-# The seccomp filter (choice 1), per machine: its AUDIT_ARCH, clone, clone3 and the calls refused outright.
+# The seccomp filter of the `os` boundary, per machine: its AUDIT_ARCH, clone, clone3 and the calls
+# refused outright.
 _SYSCALLS = {
     "x86_64": (0xC000003E, 56, 435, {"fork": 57, "vfork": 58, "ptrace": 101, "add_key": 248, "request_key": 249,
                                      "keyctl": 250, "perf_event_open": 298, "bpf": 321, "userfaultfd": 323,

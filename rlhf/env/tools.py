@@ -3,22 +3,23 @@
     def calculator(expression: str) -> str        # `rlhf.env.tools:calculator`
     env.tools: [rlhf.env.tools:calculator, rlhf.env.tools:python, my_tools.py:lookup]
 
-Choices:
-1. A tool is `fn(**arguments) -> str` (anything else is turned into `str`); its name is the
-   function's name. Specs load through the reward loader (`rewards.api.load_function`), so a bad
-   spec is the same one-line error before start-up, as a `ConfigError` naming `env.tools`.
-2. Calls follow the Qwen2.5/Hermes convention: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-   anywhere in the model's turn, several per turn allowed, run in order.
-3. Nothing a model writes crashes the run: bad JSON, an unknown tool, wrong arguments or a tool
-   that raises become an error observation (`error: ...`) the model reads next turn, counted by
-   cause; a call that outlives `timeout_s` is cut and answered `error: timed out`. Tools run on a
-   daemon thread so the wait can be cut; the thread of a hung pure-Python tool is left behind
-   (it cannot be killed, and it does not hold up the run's exit). The built-in `python` tool runs
-   in a child process that is killed at the limit, inside the run's `env.sandbox` boundary
-   (rlhf.env.sandbox: its own namespaces by default), so it leaves nothing behind.
-4. A tool that declares a keyword-only `timeout_s` parameter receives the configured limit
-   (whatever the model passed), so its own limit and the wait agree.
-5. Outputs are cut to `max_output_chars` here, for every tool.
+Decisions:
+- Tools are functions: a tool is `fn(**arguments) -> str` (anything else is turned into `str`); its
+  name is the function's name. Specs load through the reward loader (`rewards.api.load_function`),
+  so a bad spec is the same one-line error before start-up, as a `ConfigError` naming `env.tools`.
+- Call format: the Qwen2.5/Hermes convention,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the model's turn, several
+  per turn allowed, run in order.
+- Nothing crashes the run: bad JSON, an unknown tool, wrong arguments or a tool
+  that raises become an error observation (`error: ...`) the model reads next turn, counted by
+  cause; a call that outlives `timeout_s` is cut and answered `error: timed out`. Tools run on a
+  daemon thread so the wait can be cut; the thread of a hung pure-Python tool is left behind
+  (it cannot be killed, and it does not hold up the run's exit). The built-in `python` tool runs
+  in a child process that is killed at the limit, inside the run's `env.sandbox` boundary
+  (rlhf.env.sandbox: its own namespaces by default), so it leaves nothing behind.
+- Time limits: a tool that declares a keyword-only `timeout_s` parameter receives the configured
+  limit (whatever the model passed), so its own limit and the wait agree.
+- Output cut: outputs are cut to `max_output_chars` here, for every tool.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewards.api import RewardLoadError, load_function
-from rlhf.config_checks import ConfigError
+from rlhf.errors import ConfigError
 from rlhf.env.sandbox import SandboxLimits, cut, run_python
 
 ToolFn = Callable[..., Any]
@@ -112,7 +113,7 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every `<tool_call>{json}</tool_call>` of a model turn, in order (choice 2); a call that is not
+    """Every `<tool_call>{json}</tool_call>` of a model turn, in order ("Call format"); a call that is not
     a JSON object with a string `name` and an object `arguments` comes back with `error` set."""
     calls = []
     for body in _CALL.findall(text):
@@ -141,7 +142,8 @@ class ToolResult:
 
 
 class ToolBox:
-    """The configured tools by name, run with a time limit and a cut output (choices 3-5)."""
+    """The configured tools by name, run with a time limit and a cut output ("Nothing crashes the run",
+    "Time limits", "Output cut")."""
 
     def __init__(self, tools: dict[str, ToolFn], *, timeout_s: float = 10.0,
                  max_output_chars: int = 2000) -> None:
@@ -149,7 +151,8 @@ class ToolBox:
 
     @classmethod
     def from_specs(cls, specs: list[str] | tuple[str, ...], **limits: Any) -> ToolBox:
-        """Load every spec (choice 1); a spec that fails is a one-line ConfigError naming `env.tools`."""
+        """Load every spec ("Tools are functions"); a spec that fails is a one-line ConfigError naming
+        `env.tools`."""
         return cls(load_tools(specs), **limits)
 
     def run(self, call: ToolCall) -> ToolResult:

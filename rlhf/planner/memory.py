@@ -7,87 +7,21 @@
 Everything here is arithmetic on the model's shape (its `config.json`, or the table `KNOWN_SHAPES`
 for hub ids that cannot be read offline) and the recipe's batch shape; nothing is allocated.
 
-Choices:
-1. The memory model, per GPU, in bytes (P = parameters, T = trainable parameters, N = learner
-   ranks, b = bytes of `model.dtype`: 2 for bf16, 4 for fp32):
-   - FSDP2 (actors/fsdp2_learner.py) keeps fp32 parameters sharded (4P/N: they are the masters) and
-     casts to `model.dtype` for compute (MixedPrecisionPolicy); the cast, gathered copies are
-     transient: the root module (embeddings, head) plus two decoder layers with
-     `reshard_after_forward` (full shard), the whole model b*P without it (SHARD_GRAD_OP-like:
-     no all-gather in backward, the copy lives from forward to backward).
-   - DeepSpeed (actors/deepspeed_learner.py) in bf16 keeps the module in bf16 (2P on every rank with
-     ZeRO-2, 2P/N with ZeRO-3, none with `offload_params`) plus fp32 masters 4T/N; in fp32 the
-     module is the master.
-   - Gradients fp32 (both reduce and accumulate in fp32): 4T/N. Adam: 8T/N (two fp32 moments).
-     DeepSpeed's `offload_optimizer` moves masters, moments and gradient partitions to the host.
-   - A reference model (`rlhf.rules.holds_reference_model`: DPO without `precompute_ref` or SimPO,
-     GRPO with `kl_coef > 0`, never with LoRA) is
-     another sharded copy: fp32 under FSDP2, bf16 ZeRO-3 under DeepSpeed.
-   - Activations per token per decoder layer: b * (11h + 4f + 2a) bytes (h hidden, f MLP width,
-     a heads). The textbook 34h + 5as (Korthikanti et al. 2022) is for a 4h GELU MLP and eager
-     attention; with SDPA/flash the s^2 term is gone (only the output and its log-sum-exp are
-     saved) and the SwiGLU MLP saves gate, up, act and product (4f); HF's fp32 RMSNorm upcasts are
-     in the h term. 11h fits nine measured learner peaks within 8% (measured / predicted):
-     Qwen2.5-1.5B on an H100 at micro-batch 16 rows, about 4.5k tokens (40.3 GiB,
-     benchmarks/README.md grpo-gpu-scale: 1.06); SmolLM2-135M in the GPU suite's planned runs of
-     full-length rows (tests/gpu/test_grpo_gpu.py, benchmarks/results/gpu-acceptance.jsonl) at
-     49,152 tokens on an H100 (FSDP2 1.08, ZeRO-2 with LoRA 1.00), at 65,536 on an H100 (FSDP2 1.07,
-     ZeRO-2 LoRA 1.00, ZeRO-3 LoRA 1.00; split over two H100s, tests/gpu/test_split_gpu.py: FSDP2
-     1.07, ZeRO-3 1.08) and at 131,072 on an H200 (0.99, 0.92, 0.92). The 13h
-     used before fitted the first three but over-predicted the H200's by 9-15% (2026-11-26); LoRA
-     runs save a little less than full fine-tuning (frozen weights), one coefficient for both
-     splits the difference. An earlier 22h, fitted to the 1.5B point alone, over-predicted the
-     suite's large micro-batches by 37-49%.
-     With activation checkpointing only each layer's input stays (b*h per token per layer) plus
-     one layer's full set during its recomputation.
-   - ZeRO-3's own buffers: a gradient bucket of `reduce_bucket_size` (5e8) bf16 elements, 0.93 GiB
-     allocated at start-up whatever the model's size, plus parameter-fetch buffers: 1.6 GiB, fitted
-     to the GPU suite (ZeRO-3 over ZeRO-2, both LoRA: +1.53 GiB measured on an H100, +1.69 on an
-     H200; full ZeRO-3 over FSDP2 on an H100: +2.55, where the other terms differ by 0.25).
-   - Logits: with `fused_head` one chunk of 1024 tokens x vocab (bf16 logits, their fp32 copy and
-     gradient, 10 bytes an entry); without it [tokens x vocab] in bf16 plus its gradient (2b bytes
-     an entry: the 2.7 GiB that the fused head saved at micro-batch 16, benchmarks/README.md).
-   - vLLM: weights b*P/TP, KV cache 2 * layers * kv_heads * head_dim * b bytes per token, for every
-     sequence an engine holds at once (its share of the step's samples, at most max_num_seqs), of
-     prompt + completion length, plus 2.5 GiB for its activations, sampler and CUDA graphs.
-   - Per process, a CUDA context and NCCL buffers: 0.75 GiB. A margin of 10% of the GPU is kept for
-     the caching allocator's fragmentation (the gap between allocated and reserved memory).
-2. Phases, colocated: vLLM sleeps at level 2 while the learner trains (weights and KV released, its
-   CUDA-graph pool of about 1 GiB stays), and the learner's persistent state (parameters,
-   gradients, optimizer, reference) stays on the GPU while vLLM generates. A GPU must hold the
-   larger of the two phases. Split: learner GPUs hold the learner peak, generator GPUs vLLM alone.
-3. The step-time model covers the learner only (generation does not depend on these settings,
-   given enough KV cache): model FLOPs (rlhf/planner/flops.py) / (MFU * peak), where MFU grows with the
-   micro-batch's tokens t as 0.30 * t / (t + 2750). Calibrated on one H200, Qwen2.5-1.5B, 64 x 8
-   samples of about 290 tokens: micro-batch 16 -> 64 rows took the learner from 7.3 to 5.25 s
-   (the issue's measurement; predicted 7.5 and 5.4 s); the H100's 7.13 s at micro-batch 16 (same
-   bf16 peak) is within 6% of it. Activation
-   checkpointing costs one more forward (+33%); FSDP/ZeRO collectives over 200 GB/s, half hidden
-   behind compute; offload moves parameters or gradients over 25 GB/s PCIe, and the host's Adam
-   runs at 1e9 parameters/s. The fastest candidate that fits wins; ties go to fewer changes from
-   the recipe, then to less memory. So more memory never plans a slower step, and at a given
-   checkpointing setting never a smaller micro-batch; across it the budget can shrink (with little
-   memory, recomputation buys a large micro-batch; with more, a smaller one without it is faster).
-4. Keys set in the recipe or on the command line are pinned: the planner evaluates them but never
-   changes them (`learner.micro_batch_size` and `learner.max_tokens_per_micro_batch` are one
-   decision: pinning either pins the micro-batch). Placement, engine count and TP are the recipe's
-   (they decide how many GPUs the run takes); `--gpus N` sets the learner ranks when not pinned.
-   The planner's micro-batches are token budgets (1, 2, 3, 4, 6, 8, 12, ... rows of the longest
-   length), which bound a micro-batch's tokens whatever the lengths; a pinned row count is planned
-   at the longest rows (data.max_prompt_tokens + generation.max_new_tokens), since a micro-batch is
-   padded to its longest row. vLLM's share (`gpu_memory_utilization`) is computed, not searched:
-   enough KV cache for the step's sequences, as far as the generation phase leaves room.
-5. Why not a library: `accelerate estimate-memory` (installed) gives a hub model's size per dtype
-   and "Adam ~ 4x the model", the easy, exact part that `ModelShape.params` computes here in a few
-   lines, but it builds the model on the meta device through transformers from the hub (no use
-   offline, slow to import) and knows nothing of activations, vLLM, sleep phases or our sharding
-   modes. `llm-analysis` (last release 2023) models Megatron-style training and inference, not a
-   colocated engine, sleep mode or FSDP2, and would be a new dependency for a few formulas. The
-   exact parts (parameter, gradient, optimizer, KV bytes) are checked by hand-computed tests, the
-   fitted ones against the measurements above.
-6. GPU memory is the total that PyTorch reports for the device (actors/device.py). An MI250X package
-   is two devices of 64 GiB each to PyTorch, so `mi250x-128gb` plans for 64 GiB at half the
-   package's bf16 peak (actors/device.py lists the package's 383 TFLOP/s).
+Decisions, each a section of docs/design/memory-planner.md (the formulas, and the measured peaks
+the fitted terms rest on):
+- Memory model: per GPU, the backend's weights, masters, gradients and Adam state by sharding mode,
+  a reference copy where `rlhf.rules.holds_reference_model`, activations per token per layer
+  (b * (11h + 4f + 2a), fitted), ZeRO-3's buffers, logits, vLLM's weights and KV cache, a CUDA
+  context per process and a 10% fragmentation margin.
+- Phases: colocated, vLLM sleeps (level 2) while the learner trains and the learner's state stays
+  while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side.
+- Step-time model: the learner only, FLOPs / (MFU * peak) with MFU growing with the micro-batch's
+  tokens; the fastest candidate that fits wins, so more memory never plans a slower step.
+- Pinned keys: what the recipe or the command line sets is evaluated, never changed; placement,
+  engine count and TP stay the recipe's. Micro-batches are token budgets; vLLM's share is computed.
+- Why not a library: `accelerate estimate-memory` and `llm-analysis` know nothing of activations
+  under our kernels, a colocated engine, sleep phases or our sharding modes.
+- GPU memory: what PyTorch reports for a device (an MI250X package is two devices of 64 GiB).
 """
 
 from __future__ import annotations
@@ -106,7 +40,7 @@ from rlhf.rules import engine_count, holds_reference_model, learner_state, run_g
 
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 11, 4, 2  # activation elements per token per layer: 11h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
-ZERO3_BUFFERS_GIB = 1.6  # ZeRO-3's gradient bucket and fetch buffers (choice 1)
+ZERO3_BUFFERS_GIB = 1.6  # ZeRO-3's gradient bucket and fetch buffers ("Memory model")
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
 CONTEXT_GIB = 0.75  # CUDA context + NCCL buffers per process on a GPU
@@ -119,7 +53,7 @@ LINK_BYTES_S, PCIE_BYTES_S, HOST_ADAM_PARAMS_S = 200e9, 25e9, 1e9
 
 @dataclass(frozen=True)
 class Breakdown:
-    """Per-GPU memory of one candidate, in GiB (module docstring, choice 1)."""
+    """Per-GPU memory of one candidate, in GiB (module docstring, "Memory model")."""
 
     weights: float
     """Parameters in the compute dtype: resident (DeepSpeed) plus transient gathered copies."""
@@ -134,7 +68,7 @@ class Breakdown:
     learner_peak: float
     """Everything above: the learner's allocated peak (what `memory/learner_peak_gib` measures)."""
     learner_resident: float
-    """What the learner keeps on the GPU while vLLM generates (choice 2)."""
+    """What the learner keeps on the GPU while vLLM generates ("Phases")."""
     vllm_weights: float
     vllm_kv: float
     vllm_kv_needed: float
@@ -157,7 +91,7 @@ class Candidate:
     """The memory keys of this candidate, dotted."""
     breakdown: Breakdown
     learner_s: float
-    """Predicted learner seconds per step (choice 3)."""
+    """Predicted learner seconds per step ("Step-time model")."""
     fits: bool
 
 
@@ -210,18 +144,20 @@ def engines(cfg: RunConfig) -> int:
 
 
 def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
-    """Per-GPU memory of `cfg` on `gpu` (choices 1 and 2)."""
+    """Per-GPU memory of `cfg` on `gpu` ("Memory model" and "Phases")."""
     l, n = cfg.learner, cfg.learner.num_ranks
     b = 4 if cfg.model.dtype == "float32" else 2
     p, layer = shape.params(), shape.layer_params()
     lora = shape.lora_params(l.lora_rank) if l.lora_rank else 0
     root = p - shape.num_hidden_layers * layer  # embeddings, head, final norm
     fsdp, stage3 = l.backend == "fsdp2", l.zero_stage == 3
-    gathered = b * (p if fsdp and not l.reshard_after_forward else root + 2 * layer) if fsdp or stage3 else 0
+    cast_once = fsdp and l.cast_once_per_step  # every layer stays gathered, gradients unsharded, all step
+    whole = cast_once or (fsdp and not l.reshard_after_forward)
+    gathered = b * (p if whole else root + 2 * layer) if fsdp or stage3 else 0
     kept = learner_state(l, b, p, lora)  # what the backend keeps, on this GPU:
     module = 0 if kept.module_on_host else kept.module / kept.module_shards
     masters, grads, optimizer = ((0.0, 0.0, 0.0) if kept.optimizer_on_host
-                                 else (kept.masters / n, kept.gradients / n, kept.optimizer / n))
+                                 else (kept.masters / n, kept.gradients / (1 if cast_once else n), kept.optimizer / n))
     weights = module + gathered
     reference = (4 if fsdp else 2) * p / n if holds_reference_model(cfg) else 0
     tokens = micro_batch_tokens(cfg)
@@ -273,7 +209,7 @@ def predicted_learner_peak_gib(cfg: RunConfig, gpu: str = "h100-80gb") -> float:
 
 
 def learner_seconds(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> float:
-    """Predicted learner seconds per step (choice 3)."""
+    """Predicted learner seconds per step ("Step-time model")."""
     l, n = cfg.learner, cfg.learner.num_ranks
     row, rows = row_tokens(cfg), math.ceil(step_rows(cfg) / n)
     tokens = micro_batch_tokens(cfg)
@@ -310,7 +246,7 @@ def _get(cfg: RunConfig, key: str) -> Any:
 
 
 def _choices(cfg: RunConfig, pinned: set[str], gpus: int) -> list[dict[str, Any]]:
-    """Every candidate assignment of the unpinned memory keys (choice 4)."""
+    """Every candidate assignment of the unpinned memory keys ("Pinned keys")."""
     free = {k for k in PLAN_KEYS if k not in pinned}
     if {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"} & pinned:
         free -= {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 GIB = 2**30
 
@@ -30,7 +30,8 @@ GPU_KINDS: dict[str, GpuKind] = {k.name: k for k in (
     GpuKind("h100-80gb", 79.2, 989.0, ("H100",)),
     GpuKind("h200-141gb", 139.8, 989.0, ("H200",)),
     GpuKind("mi300x-192gb", 191.5, 1307.0, ("MI300X",)),
-    GpuKind("mi250x-128gb", 64.0, 191.5, ("MI250X", "MI250")),  # per device (choice 6)
+    # One MI250X package is two devices to PyTorch: per device ("GPU memory" in rlhf/planner/memory.py).
+    GpuKind("mi250x-128gb", 64.0, 191.5, ("MI250X", "MI250")),
     GpuKind("a100-80gb", 79.2, 312.0, ("A100",)),
 )}
 
@@ -109,7 +110,7 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen2.5-3b": _qwen2(2048, 36, 16, 2, 11008, 151936, True),
     "qwen2.5-7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "qwen2.5-14b": _qwen2(5120, 48, 40, 8, 13824, 152064, False),
-    # rlhf.data.gguf_parts' de-quantized Qwen2.5-Coder: its GGUF stores the output layer apart (untied)
+    # scripts/assets/gguf_parts.py's de-quantized Qwen2.5-Coder: the GGUF keeps its output layer (untied)
     "qwen2.5-coder-0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, False),
     "meta-llama-3-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),
     "llama-3.1-8b": ModelShape(4096, 32, 32, 8, 14336, 128256, False),

@@ -8,40 +8,25 @@ Layout of `<output_dir>/checkpoints/step_000042/`:
     run_state.safetensors  the run state's tensors and long number lists (torch RNG, token ids)
     manifest.json          every other file's size and SHA-256, signed; written last: a complete save
 
-Choices:
-1. A save writes into `.tmp_step_000042/`, then the manifest, then renames the folder. A rename is
-   atomic on one filesystem, so a save killed at any point leaves a hidden temp folder that
-   nothing reads (the next save of that step replaces it) and the previous checkpoints untouched.
-2. Resuming verifies the checkpoint against its manifest first (a truncated, missing or extra
-   file, e.g. a lost shard, or a changed byte). A damaged one is never loaded: the error is one
-   line naming the file and the previous good checkpoint, which `resume=previous` resumes from.
-3. Hashing costs about a second per GB on one core, at save and once more at resume; a
-   checkpoint is verified once per process however often it is asked for.
-4. No pickle from another machine ever runs. The run state is JSON + safetensors, formats that
-   hold data only (rlhf.run.signing choice 4). The train state is pickles (DCP's `.metadata`,
-   DeepSpeed's files), so the manifest is signed with this machine's key (rlhf.run.signing) and
-   the driver refuses, in one line saying how to trust it deliberately, any checkpoint whose
-   signature is not its own, before any learner reads a byte; the learners read with restricted unpicklers as well. A `run_state.pt`
-   of an earlier version is read only in a checkpoint signed here, with torch's weights-only
-   unpickler.
-5. `keep_checkpoints=N`: after each complete save, the complete checkpoints older than the newest
-   N go (never the one just written, never during a save). Each is renamed to a hidden `.del_`
-   folder first, so a deletion killed half-way leaves nothing that looks complete.
-6. A failed save never costs the trained weights: the learners write the HF export (`model/`,
-   small) before the train state, and when the save fails, a complete export (config.json, every
-   safetensors shard whole) is moved to `step_000042_model_only/` and the partial save deleted.
-   A full disk (here, or in a learner: an ActorFailure naming ENOSPC) is a one-line RunError:
-   the step, the space needed and free, what survived and where, and what to change.
-7. Before Ray starts, `preflight_checkpoints` makes the signing key and checks that the
-   checkpoints that will coexist fit the disk (`checkpoint_bytes`: fp32 master weights and Adam's
-   two moments, the HF export, LoRA's smaller state, per backend). The estimate is remembered
-   for the message of a save that still finds the disk full.
+Decisions, each a section of docs/design/checkpoints.md:
+- Atomic saves: a save writes `.tmp_step_000042/`, then the manifest, then renames the folder, so
+  a save killed at any point leaves the previous checkpoints untouched and nothing that looks whole.
+- Verified resume: a checkpoint is checked against its manifest first; a damaged one is never
+  loaded, and the one-line error names the file and the previous good checkpoint.
+- Hashing once: about a second per GB, so a checkpoint is verified once per process.
+- No foreign pickle: the train state holds pickles, so the driver loads only checkpoints whose
+  manifest this machine signed (rlhf.run.signing); the run state is JSON + safetensors.
+- Rotation (`keep_checkpoints=N`): older complete checkpoints go after each complete save, each
+  renamed to a hidden `.del_` folder first.
+- Model first: the learners write the HF export before the train state, and a failed save keeps a
+  complete export as `step_000042_model_only/`; a full disk is a one-line RunError.
+- Preflight: before Ray starts, `preflight_checkpoints` makes the signing key and checks that the
+  checkpoints that will coexist fit the disk (`checkpoint_bytes`).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -52,33 +37,28 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
-from rlhf.errors import RunError
+from rlhf.errors import CheckpointError, ConfigError, RunError
 from rlhf.protocols import LearnerGroup
 from rlhf.rules import learner_state
 from rlhf.run import signing
-from rlhf.run.signing import read_run_state, write_run_state
+from rlhf.run.signing import MANIFEST, read_run_state, write_run_state
 
 if TYPE_CHECKING:
     from rlhf.config import RunConfig
     from rlhf.planner.shapes import ModelShape
 
 _PREFIX = "step_"
-MANIFEST = "manifest.json"
-_verified: set[Path] = set()  # choice 3
-_estimates: dict[Path, int] = {}  # resolved output_dir -> estimated bytes of one checkpoint (choice 7)
+_verified: set[Path] = set()  # hashing once
+_estimates: dict[Path, int] = {}  # resolved output_dir -> estimated bytes of one checkpoint (preflight)
 _DISK_FULL = ("No space left on device", "Disk quota exceeded", "[Errno 28]", "[Errno 122]", "StorageFull")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that must not be loaded (choice 2). The message is one line."""
-
-
 class UntrustedCheckpoint(CheckpointError):
-    """A checkpoint whose manifest this machine did not sign (choice 4)."""
+    """A checkpoint whose manifest this machine did not sign ("No foreign pickle")."""
 
 
 class CheckpointSaveError(RunError):
-    """A save that found the disk full (choice 6)."""
+    """A save that found the disk full ("Model first")."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -108,9 +88,9 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def save_checkpoint(output_dir: str | Path, step: int, learners: LearnerGroup, extra: dict[str, Any], *,
                     keep: int = 0) -> Path:
     """Checkpoint taken after `step` steps: the learners' files (HF export first), the run state
-    with `extra` (data position etc.), the signed manifest, the rename (choices 1, 4). Then, with
-    `keep=N > 0`, older checkpoints beyond the newest N are deleted (choice 5). A failed save keeps
-    its complete HF export; a full disk raises CheckpointSaveError (choice 6)."""
+    with `extra` (data position etc.), the signed manifest, the rename ("Atomic saves"). Then, with
+    `keep=N > 0`, older checkpoints beyond the newest N are deleted ("Rotation"). A failed save keeps
+    its complete HF export; a full disk raises CheckpointSaveError ("Model first")."""
     root = checkpoint_root(output_dir)
     final, tmp = root / _name(step), root / f".tmp_{_name(step)}"
     shutil.rmtree(tmp, ignore_errors=True)  # what a killed save of this step left
@@ -119,7 +99,7 @@ def save_checkpoint(output_dir: str | Path, step: int, learners: LearnerGroup, e
         learners.save(str(tmp))
         state = {"step": step, "python_rng": random.getstate(), "torch_rng": torch.get_rng_state(), **extra}
         write_run_state(tmp, state)
-        _write_manifest(tmp)
+        signing.write_manifest(tmp)
     except Exception as e:
         _failed_save(Path(output_dir), step, tmp, e)
     shutil.rmtree(final, ignore_errors=True)
@@ -132,7 +112,7 @@ def save_checkpoint(output_dir: str | Path, step: int, learners: LearnerGroup, e
 
 def prune_checkpoints(output_dir: str | Path, keep: int, *, newest: Path | None = None) -> list[Path]:
     """Delete the complete checkpoints older than the newest `keep` (0: keep all), never `newest`
-    (the one just written), and what a killed deletion left (choice 5). Returns those deleted."""
+    (the one just written), and what a killed deletion left ("Rotation"). Returns those deleted."""
     root = checkpoint_root(output_dir)
     for leftover in root.glob(".del_*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -149,7 +129,7 @@ def prune_checkpoints(output_dir: str | Path, keep: int, *, newest: Path | None 
 
 def _failed_save(output_dir: Path, step: int, tmp: Path, error: Exception) -> NoReturn:
     """Keep the save's complete HF export, drop the rest, and re-raise; a full disk becomes one
-    line saying what it needed, what survived and what to do (choice 6)."""
+    line saying what it needed, what survived and what to do ("Model first")."""
     root = checkpoint_root(output_dir)
     kept: Path | None = root / f"{_name(step)}_model_only"
     if complete_hf_export(tmp / "model"):
@@ -204,7 +184,7 @@ def _needed(output_dir: Path, written: int) -> str:
 def complete_hf_export(folder: Path) -> bool:
     """Whether `folder` is a loadable HF export: a config.json, and every safetensors shard (those
     of the index, else model.safetensors) whole: its header parses and its size is exactly header
-    plus data (choice 6)."""
+    plus data ("Model first")."""
     try:
         json.loads((folder / "config.json").read_text())
         index = folder / "model.safetensors.index.json"
@@ -234,25 +214,6 @@ def _size(n: float) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
-# ---------------------------------------------------------------------------------------------
-# The manifest: sizes, checksums, signature
-
-
-def _write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file()}
-    signature = signing.sign(files)
-    with open(folder / MANIFEST, "w") as f:
-        json.dump({"files": files, "signature": signature}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _fsync(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -261,56 +222,22 @@ def _fsync(folder: Path) -> None:
         os.close(fd)
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        if not isinstance(manifest["files"], dict):
-            raise TypeError
-        return manifest
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path / MANIFEST} is unreadable ({type(e).__name__})") from None
+# ---------------------------------------------------------------------------------------------
+# Verifying against the signed manifest (rlhf.run.signing)
 
 
 def verify_checkpoint(path: Path) -> None:
-    """Raise UntrustedCheckpoint unless this machine signed the manifest (choice 4), then
+    """Raise UntrustedCheckpoint unless this machine signed the manifest ("No foreign pickle"), then
     CheckpointError naming the first file that is missing, truncated, changed or unlisted."""
     if path in _verified:
         return
-    manifest = _read_manifest(path)
+    manifest = signing.read_manifest(path)
     problem = signing.signature_problem(manifest["files"], manifest.get("signature"))
     if problem:
         raise UntrustedCheckpoint(f"{path} {problem}: its train state is pickled, and unpickling can run code, "
                                   f"so it is not loaded; {signing.trust_hint(path)}")
-    _check_files(path, manifest["files"])
+    signing.check_against_manifest(path, manifest["files"])
     _verified.add(path)
-
-
-def _check_files(path: Path, files: dict[str, Any]) -> None:
-    for name, want in files.items():
-        p = path / name
-        if not p.is_file():
-            raise CheckpointError(f"{p} is missing")
-        size = p.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
-        if _sha256(p) != want["sha256"]:
-            raise CheckpointError(f"{p} does not match its checksum in the manifest")
-    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p != path / MANIFEST)
-    extra = [name for name in extra if name not in files]
-    if extra:
-        raise CheckpointError(f"{path / extra[0]} is not in the manifest (added after the save?)")
-
-
-def resign_checkpoint(path: Path) -> None:
-    """Sign `path`'s manifest with this machine's key, after checking every file against it: a
-    deliberate act of trust (`python -m rlhf.run.signing FOLDER`, rlhf.run.signing choice 3)."""
-    manifest = _read_manifest(path)
-    _check_files(path, manifest["files"])
-    manifest["signature"] = signing.sign(manifest["files"])
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(path / MANIFEST)
-    _verified.discard(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +282,7 @@ def _fallback(older: list[Path]) -> str:
 
 
 def load_checkpoint(path: Path, learners: LearnerGroup) -> dict[str, Any]:
-    """Restore learners and driver RNG from `path`, verified first (choices 2, 4); returns the run
+    """Restore learners and driver RNG from `path`, verified first ("Verified resume"); returns the run
     state (with 'step')."""
     verify_checkpoint(path)
     state = read_run_state(path)
@@ -379,7 +306,7 @@ def resume(output_dir: str | Path, mode: bool | Literal["previous"], learners: L
 
 
 # ---------------------------------------------------------------------------------------------
-# Disk space, checked before Ray starts (choice 7)
+# Disk space, checked before Ray starts ("Preflight")
 
 
 def checkpoint_bytes(cfg: RunConfig, shape: ModelShape, model_path: str | Path) -> int:
@@ -412,8 +339,7 @@ def _coexisting(cfg: RunConfig, start: int) -> tuple[int, bool]:
 
 def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
     """Raise ConfigError (one line) when the checkpoints that will coexist do not fit the free
-    space of output_dir's disk (choice 7)."""
-    from rlhf.config import ConfigError
+    space of output_dir's disk ("Preflight")."""
     from rlhf.planner.shapes import model_shape
 
     try:
@@ -444,10 +370,8 @@ def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
 
 def preflight_checkpoints(cfg: RunConfig, model_path: str | Path) -> None:
     """What the checkpoints need, checked before Ray starts (scripts/launch.py cli): the signing
-    key exists (made now) outside output_dir (choice 4), and the disk has room (choice 7).
+    key exists (made now) outside output_dir ("No foreign pickle"), and the disk has room.
     Raises ConfigError (one line)."""
-    from rlhf.config import ConfigError
-
     try:
         signing.load_key()
     except OSError as e:

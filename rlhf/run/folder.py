@@ -1,20 +1,20 @@
 """The run folder (`output_dir`) before a run starts: an earlier run is never overwritten by
 accident, and a resume is checked against the checkpoint it continues, all before Ray starts.
 
-Choices:
-1. An earlier run is a folder with a complete checkpoint or a `metrics.jsonl` holding at least
-   one record. A folder that is empty, or holds only what a run that died before its first step
-   leaves (`config.yaml`, `logs/`, tracker folders), is not: a new run starts there as usual.
-2. Into an earlier run's folder, a run starts only with `resume=true` (it continues the run),
-   or `overwrite=true`, which first deletes the files a run writes (`RUN_FILES`) and says so
-   in one line; anything else in the folder is left alone. Without either it is refused in one
-   line naming the folder, its last step and checkpoint, and the three choices.
-3. A resume is checked against its checkpoint before Ray starts, so that a mismatch is one line
-   naming what differs instead of a library's traceback from inside a learner: the model's shape
-   (`<checkpoint>/model/config.json` against `model.path`'s `config.json`), the keys whose
-   checkpoint the learners cannot load otherwise (`MUST_MATCH`, from the run's `config.yaml`;
-   the learner backend also from the checkpoint's own files), and the data, whose prompt-stream
-   fingerprint in the run state must be the current data's.
+Decisions:
+- What an earlier run is: a folder with a complete checkpoint or a `metrics.jsonl` holding at
+  least one record. A folder that is empty, or holds only what a run that died before its first
+  step leaves (`config.yaml`, `logs/`, tracker folders), is not: a new run starts there as usual.
+- Resume or overwrite: into an earlier run's folder, a run starts only with `resume=true` (it
+  continues the run), or `overwrite=true`, which first deletes the files a run writes (`RUN_FILES`)
+  and says so in one line; anything else in the folder is left alone. Without either it is refused
+  in one line naming the folder, its last step and checkpoint, and the three ways on.
+- Resume checked first (`check_resume`): a resume is checked against its checkpoint before Ray
+  starts, so that a mismatch is one line naming what differs instead of a library's traceback from
+  inside a learner: the model's shape (`<checkpoint>/model/config.json` against `model.path`'s
+  `config.json`), the keys whose checkpoint the learners cannot load otherwise (`MUST_MATCH`, from
+  the run's `config.yaml`; the learner backend also from the checkpoint's own files), and the data,
+  whose prompt-stream fingerprint in the run state must be the current data's.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from rlhf.run.checkpoint import checkpoint_root, checkpoint_to_resume, complete_
 
 RUN_FILES = ("checkpoints", "metrics.jsonl", "metrics.png", "logs", "tensorboard", "wandb", "mlruns",
              "trackers.json", "reference_logps.pt", "config.yaml")
-"""What a training run writes into its output_dir (choice 2): all of it goes with overwrite=true."""
+"""What a training run writes into its output_dir: all of it goes with overwrite=true ("Resume or
+overwrite")."""
 
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
@@ -73,7 +74,7 @@ def steps_done(steps: list[int]) -> str:
 
 
 def earlier_run(output_dir: str | Path) -> str | None:
-    """What the earlier run in `output_dir` got to (choice 1), e.g. `3 steps in metrics.jsonl,
+    """What the earlier run in `output_dir` got to ("What an earlier run is"), e.g. `3 steps in metrics.jsonl,
     latest checkpoint .../step_000003`; None when there is none."""
     steps, done = metrics_steps(output_dir), complete_checkpoints(output_dir)
     if not steps and not done:
@@ -106,7 +107,7 @@ def check_run_folder(cfg: RunConfig) -> Path | None:
 
 def clear_earlier_run(output_dir: str | Path) -> str | None:
     """overwrite=true: delete the earlier run's files (RUN_FILES; nothing else in the folder) and
-    return the line that says so; None when the folder holds no earlier run (choice 1)."""
+    return the line that says so; None when the folder holds no earlier run ("What an earlier run is")."""
     out = Path(output_dir)
     found = earlier_run(out)
     if found is None:
@@ -134,7 +135,7 @@ def _delete(path: Path) -> None:
 
 
 def check_resume(cfg: RunConfig, model_path: str, stream: Any) -> None:
-    """Choice 3, for `resume` set and a checkpoint found: raise ConfigError naming what differs
+    """Resume checked first: for `resume` set and a checkpoint found, raise ConfigError naming what differs
     between the checkpoint and this run (the model's shape, MUST_MATCH keys, the data behind
     `stream`, anything with PromptStream's `state_dict`)."""
     if not cfg.resume:

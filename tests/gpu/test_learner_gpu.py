@@ -81,6 +81,7 @@ FAST_KERNELS = {  # actors/learner_kernels.py, each against the eager rows under
     "varlen": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 512},
     "varlen-liger-cast": {"liger": True, "cast_once_per_step": True, "pack_sequences": True,
                           "attention": "varlen", "max_tokens_per_micro_batch": 512},
+    "fused-head": {"head_kernels": "fused"},
 }
 
 
@@ -102,7 +103,8 @@ def restored_transformers():
 @pytest.mark.parametrize("kernels", list(FAST_KERNELS))
 def test_fast_kernels_train_like_eager_padded_rows(smollm2, kernels, figures, restored_transformers):
     """Each speed switch of the learner (Liger's kernels, compiled layers cast once per step, packed
-    rows under FlashAttention's varlen kernel, padded rows without their mask) on SmolLM2 in bf16:
+    rows under FlashAttention's varlen kernel, padded rows without their mask, the fused head's
+    compiled chunk kernels) on SmolLM2 in bf16:
     the eager masked rows' log-probs, loss and gradient norm, within bf16's rounding (the bounds of
     the FlexAttention test above)."""
     from transformers import AutoConfig

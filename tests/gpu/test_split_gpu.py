@@ -14,12 +14,8 @@ Skipped where the machine has one GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from rlhf.config import load_config
-from rlhf.planner.memory import breakdown
-from rlhf.planner.shapes import gpu_kind_of_device, model_shape
-from tests.gpu.suite import GRPO_RECIPE, device_gib, needs_gpus, synced, train
+from tests.gpu.suite import GRPO_RECIPE, needs_gpus, planned_run, synced, train
 
 pytestmark = [pytest.mark.gpu, needs_gpus(2)]
 PEAK_TOLERANCE = 0.10
@@ -34,19 +30,10 @@ RUNS = {
 @pytest.mark.parametrize("name", RUNS)
 def test_split_run_broadcasts_the_learners_weights_over_nccl(name, smollm2, tmp_path, figures):
     run = train("scripts/train_grpo.py", GRPO_RECIPE, tmp_path / name, *SPLIT, *RUNS[name])
-    cfg = load_config(tmp_path / name / "config.yaml")
-    gpu = gpu_kind_of_device(torch.cuda.get_device_name(0), device_gib())
-    predicted = breakdown(cfg, model_shape(cfg.model.path), gpu).learner_peak
-    measured = max(run.series("memory/learner_peak_gib"))
-    mismatch = run.series("mismatch/logprob_abs_diff")
-    busy = {index: round(gib, 1) for index, gib in sorted(run.gpu_peaks_gib.items())}
-    figures.update(cluster=run.first_line("cluster:"), placement=run.first_line("placement:"),
-                   plan=(run.first_line("memory plan for") or "").split(": ", 1)[-1],
-                   mismatch=[round(m, 4) for m in mismatch], sync_s=[round(s, 3) for s in run.series("timing/sync_s")],
-                   gpu_peaks_gib=busy, learner_peak_gib=round(measured, 2), predicted_peak_gib=round(predicted, 2),
-                   peak_ratio=round(measured / predicted, 3), run_s=round(run.seconds, 1), startup=run.startup)
+    planned = planned_run(run)
+    figures.update(planned.figures)
     assert (run.first_line("cluster:") or "").startswith("cluster: split, 1 engine(s)"), run.stdout[-2000:]
-    assert sum(gib > 1.0 for gib in busy.values()) >= 2, busy  # the engine on one GPU, the learner on another
-    assert synced(mismatch), mismatch
+    assert sum(gib > 1.0 for gib in planned.busy.values()) >= 2, planned.busy  # engine on one GPU, learner on another
+    assert synced(planned.mismatch), planned.mismatch
     assert max(run.series("grad_norm")) > 0
-    assert abs(measured / predicted - 1) <= PEAK_TOLERANCE, (measured, predicted)
+    assert abs(planned.measured / planned.predicted - 1) <= PEAK_TOLERANCE, (planned.measured, planned.predicted)

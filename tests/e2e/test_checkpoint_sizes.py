@@ -1,0 +1,71 @@
+"""The real learners' checkpoints (FSDP2, FSDP2 + LoRA, DeepSpeed, each in a spawned rank): their size
+matches the disk-space preflight's estimate and the model export is written first."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+import rlhf.run.checkpoint as ckpt
+from rlhf.config import load_config
+from rlhf.planner.shapes import model_shape
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def fresh_estimates(tmp_path, monkeypatch):
+    """This test's own signing key, never the user's, and no estimate cached by an earlier test."""
+    monkeypatch.setenv("RLHF_KEY_DIR", str(tmp_path / "key"))
+    ckpt._estimates.clear()
+
+
+def _learner_rank(backend: str, lora: int, model_path: str, out: str, key_dir: str) -> None:
+    from rlhf.algo.objectives import GRPOObjective
+    from rlhf.config import GRPOConfig, LearnerConfig, ModelConfig
+    from tests.support.learners import make_batch
+
+    os.environ["RLHF_KEY_DIR"] = key_dir
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=2, backend=backend, zero_stage=2, num_ranks=1, lora_rank=lora)
+    from actors.learner_base import LearnerRank as cls
+
+    # One rank: rank 0 serves its own store on an ephemeral port (0), which nobody else joins.
+    learner = cls(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0, model_path=model_path,
+                  model_cfg=ModelConfig(dtype="float32"), learner_cfg=cfg, temperature=1.0, with_reference=False,
+                  seed=0)
+    learner.train_step(make_batch(1024), GRPOObjective.from_config(GRPOConfig(), max_len=16))
+    learner.save(f"{out}/full", model_path, "float32")
+    # The same save on a disk that fills up while the train state is written.
+    import torch.distributed.checkpoint as dcp
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    dcp.save = full
+    if backend == "deepspeed":
+        learner.sharding.engine.save_checkpoint = full
+    try:
+        learner.save(f"{out}/failed", model_path, "float32")
+    except OSError:
+        pass
+    learner.shutdown()
+
+
+@pytest.mark.parametrize("backend,lora", [("fsdp2", 0), ("fsdp2", 8), ("deepspeed", 0)])
+def test_real_checkpoint_size_matches_the_estimate_and_model_comes_first(tmp_path, tiny_qwen2, backend, lora):
+    import torch.multiprocessing as mp
+
+    proc = mp.get_context("spawn").Process(target=_learner_rank, args=(backend, lora, str(tiny_qwen2), str(tmp_path),
+                                                                       str(tmp_path / "key")))
+    proc.start()
+    proc.join(timeout=600)
+    assert proc.exitcode == 0
+    real = ckpt._folder_bytes(tmp_path / "full")
+    cfg = load_config(ROOT / "configs" / "grpo_tiny_cpu.yaml", [f"output_dir={tmp_path / 'run'}",
+                      f"learner.backend={backend}", f"learner.lora_rank={lora}", "learner.zero_stage=2"])
+    estimate = ckpt.checkpoint_bytes(cfg, model_shape(str(tiny_qwen2)), tiny_qwen2)
+    assert abs(estimate - real) <= 0.2 * real, (estimate, real)
+    assert ckpt.complete_hf_export(tmp_path / "failed" / "model")  # written before the train state failed

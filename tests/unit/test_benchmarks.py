@@ -1,0 +1,415 @@
+"""The benchmark runner's pure parts (benchmarks/): identical work on both sides, the summary
+arithmetic, the table and the JSON record. No timings: those are the benchmark's output, never a test.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from benchmarks.summary import (
+    RECORD_KEYS,
+    build_record,
+    format_table,
+    ours_dpo_steps,
+    ours_grpo_steps,
+    ratios,
+    summarize,
+)
+from benchmarks.workloads import (
+    WORKLOADS,
+    grpo_step_prompts,
+    our_overrides,
+    reward_columns,
+    trl_dpo_kwargs,
+    trl_grpo_kwargs,
+    trl_prompt,
+)
+from rlhf.config import load_config
+
+
+def resolve(workload, tmp_path, **model):
+    return load_config(workload.recipe, our_overrides(workload, output_dir=str(tmp_path / "run"), **model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Spec -> our config -> TRL config
+
+
+def test_grpo_cpu_spec_reaches_our_config(tmp_path):
+    w = WORKLOADS["grpo-cpu"]
+    cfg = resolve(w, tmp_path)
+    assert (cfg.model.path, cfg.data.task, cfg.seed, cfg.data.seed) == ("smollm2-135m-instruct", "arithmetic_1digit", 0, 0)
+    assert (cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.steps) == (8, 8, 5)
+    assert (cfg.generation.max_new_tokens, cfg.learner.lr, cfg.learner.micro_batch_size) == (32, 2e-5, 64)
+    assert cfg.output_dir == str(tmp_path / "run") and cfg.save_every == 0 and cfg.eval_every == 0
+
+
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_trl_grpo_config_matches_ours(tmp_path, use_vllm):
+    from trl import GRPOConfig
+
+    cfg = resolve(WORKLOADS["grpo-cpu"], tmp_path)
+    trl = GRPOConfig(**trl_grpo_kwargs(cfg, use_vllm=use_vllm, ignore_eos=False, output_dir=str(tmp_path / "trl"),
+                                       use_cpu=True))
+    g = cfg.grpo
+    assert trl.num_generations == g.group_size == 8
+    assert trl.generation_batch_size == g.prompts_per_step * g.group_size == 64  # one generation per optimizer step
+    assert trl.per_device_train_batch_size * trl.gradient_accumulation_steps == 64
+    assert trl.steps_per_generation == trl.gradient_accumulation_steps and trl.num_iterations == 1
+    assert trl.max_completion_length == cfg.generation.max_new_tokens == 32
+    assert trl.max_steps == g.steps and trl.seed == cfg.seed
+    assert trl.learning_rate == cfg.learner.lr and trl.lr_scheduler_type == "constant"
+    assert (trl.adam_beta1, trl.adam_beta2, trl.weight_decay) == (*cfg.learner.betas, cfg.learner.weight_decay)
+    assert trl.max_grad_norm == cfg.learner.max_grad_norm
+    assert (trl.temperature, trl.top_p, trl.top_k) == (cfg.generation.temperature, cfg.generation.top_p, 0)
+    assert (trl.beta, trl.epsilon, trl.epsilon_high) == (0.0, g.clip_low, g.clip_high)
+    assert trl.loss_type == "dapo" and trl.scale_rewards == "group"  # token-mean, std-scaled group advantages
+    assert trl.bf16 and trl.model_init_kwargs == {"dtype": "float32"}  # fp32 master weights, bf16 compute
+    assert not trl.gradient_checkpointing and not trl.shuffle_dataset
+    assert trl.use_vllm == use_vllm and not trl.vllm_importance_sampling_correction
+
+
+def test_gpu_workload_fixes_lengths_on_the_trl_side(tmp_path):
+    w = WORKLOADS["grpo-gpu"]
+    cfg = resolve(w, tmp_path, model_path=str(tmp_path / "model"))
+    assert (cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.generation.max_new_tokens) == (64, 8, 512)
+    assert cfg.model.path == str(tmp_path / "model")
+    vllm = trl_grpo_kwargs(cfg, use_vllm=True, ignore_eos=True, output_dir="x", use_cpu=False)
+    assert vllm["generation_kwargs"] == {"ignore_eos": True} and vllm["vllm_mode"] == "colocate"
+    assert vllm["vllm_gpu_memory_utilization"] == cfg.generation.gpu_memory_utilization
+    assert vllm["vllm_enable_sleep_mode"]  # ours sleeps the colocated engine while training too
+    assert (vllm["per_device_train_batch_size"], vllm["gradient_accumulation_steps"]) == (16, 32)
+    hf = trl_grpo_kwargs(cfg, use_vllm=False, ignore_eos=True, output_dir="x", use_cpu=False)
+    assert hf["generation_kwargs"] == {"min_new_tokens": 512}
+
+
+def test_dpo_spec_reaches_both_configs(tmp_path):
+    from trl import DPOConfig
+
+    cfg = resolve(WORKLOADS["dpo-cpu"], tmp_path)
+    d = cfg.dpo
+    assert (d.dataset, d.pairs_per_step, d.max_steps, d.beta, d.loss_type, d.precompute_ref) == \
+        ("arithmetic_pairs", 8, 5, 0.1, "sigmoid", False)
+    trl = DPOConfig(**trl_dpo_kwargs(cfg, output_dir=str(tmp_path / "trl"), use_cpu=True))
+    assert trl.per_device_train_batch_size * trl.gradient_accumulation_steps == d.pairs_per_step
+    assert trl.per_device_train_batch_size == cfg.learner.micro_batch_size // 2  # our micro-batch counts sequences
+    assert (trl.beta, trl.loss_type, trl.max_length, trl.max_steps) == (d.beta, ["sigmoid"], d.max_length, 5)
+    assert trl.learning_rate == cfg.learner.lr and not trl.precompute_ref_log_probs
+    assert trl.train_sampling_strategy == "sequential"  # our pair order
+
+
+def test_trl_mapping_refuses_what_trl_cannot_do_the_same_way(tmp_path):
+    base = resolve(WORKLOADS["grpo-cpu"], tmp_path)
+    with pytest.raises(ValueError, match="k3"):
+        trl_grpo_kwargs(replace(base, grpo=replace(base.grpo, kl_coef=0.1, kl_estimator="k2")),
+                        use_vllm=False, ignore_eos=False, output_dir="x", use_cpu=True)
+    with pytest.raises(ValueError, match="num_ranks"):
+        trl_grpo_kwargs(replace(base, learner=replace(base.learner, num_ranks=2)),
+                        use_vllm=False, ignore_eos=False, output_dir="x", use_cpu=True)
+    with pytest.raises(ValueError, match="micro-batch"):
+        trl_grpo_kwargs(replace(base, learner=replace(base.learner, micro_batch_size=48)),
+                        use_vllm=False, ignore_eos=False, output_dir="x", use_cpu=True)
+    dpo = resolve(WORKLOADS["dpo-cpu"], tmp_path)
+    with pytest.raises(ValueError, match="simpo"):
+        trl_dpo_kwargs(replace(dpo, dpo=replace(dpo.dpo, loss_type="simpo")), output_dir="x", use_cpu=True)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        trl_dpo_kwargs(replace(dpo, dpo=replace(dpo.dpo, label_smoothing=0.1)), output_dir="x", use_cpu=True)
+
+
+def test_tiny_variants_resolve(tmp_path):
+    for w in WORKLOADS.values():
+        tiny = w.tiny()
+        cfg = resolve(tiny, tmp_path)
+        assert cfg.model.path == "tiny-qwen2" and tiny.name == f"{w.name}-tiny"
+        if w.algorithm == "grpo":
+            trl_grpo_kwargs(cfg, use_vllm=True, ignore_eos=tiny.ignore_eos, output_dir="x", use_cpu=True)
+        else:
+            trl_dpo_kwargs(cfg, output_dir="x", use_cpu=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Same prompts, same reward
+
+
+def test_trl_tokenizes_exactly_our_step_prompts(tiny_qwen2, tmp_path):
+    from transformers import AutoTokenizer
+
+    w = replace(WORKLOADS["grpo-cpu"].tiny(), extra=("data.num_train=16", "data.num_eval=4"),
+                model=str(tiny_qwen2))
+    cfg = resolve(w, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen2)
+    steps = grpo_step_prompts(cfg, tokenizer)
+    assert len(steps) == cfg.grpo.steps and all(len(s) == cfg.grpo.prompts_per_step for s in steps)
+    for row, ours in [pair for step in steps for pair in step]:
+        # What GRPOTrainer._tokenize_prompts does with a conversational prompt.
+        theirs = tokenizer.apply_chat_template(conversation=[trl_prompt(row, cfg)], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"][0]
+        assert list(theirs) == ours
+
+
+def test_trl_reward_scores_like_our_reward(tmp_path):
+    from benchmarks.trl_grpo import make_reward
+    from rlhf.types import PromptRow
+
+    cfg = resolve(WORKLOADS["grpo-cpu"], tmp_path)  # reward: rewards.tasks:arithmetic
+    reward = make_reward(cfg)
+    row = PromptRow(prompt="Calculate 3 + 5. Reply with only the number.", answer="8", meta={"expression": "3 + 5"})
+    completions = [[{"role": "assistant", "content": text}] for text in ("8", "9", "3 + 5 = 8")]
+    scores = reward(prompts=None, completions=completions, prompt_text=[row.prompt] * 3,
+                    row_json=[reward_columns(row)] * 3)
+    assert scores == [1.0, 0.0, 1.0]
+    assert json.loads(reward_columns(row)) == {"answer": "8", "expression": "3 + 5"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary, table, record
+
+
+def _our_grpo_metrics():
+    return [
+        {"step": k, "timing/step_s": s, "timing/generate_s": g, "timing/train_s": t, "timing/sync_s": 0.5,
+         "timing/reward_s": 0.01, "response_len/mean": 10.0, "reward/mean": r, "memory/learner_peak_gib": 2.0}
+        for k, (s, g, t, r) in enumerate([(30.0, 20.0, 9.0, 0.2), (10.0, 4.0, 5.0, 0.4), (12.0, 4.0, 7.0, 0.5),
+                                          (11.0, 5.0, 5.0, 0.6)])
+    ]
+
+
+def test_our_metrics_become_step_records_and_summary():
+    steps = ours_grpo_steps([{"step": -1, "eval/pass@1": 0.1}, *_our_grpo_metrics()], [400, 400, 420, 380], 16)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]  # the evaluation-only record is skipped
+    assert steps[1]["gen_tokens"] == 160.0 and steps[2]["train_tokens"] == 580.0
+    summary = summarize({"steps": steps, "startup_s": 40.0, "peak_mem_gib": 3.0}, "grpo")
+    assert summary["step_s"] == 11.0  # median of steps 1..3: step 0 (30 s) is start-up-heavy
+    assert summary["generate_s"] == 4.0 and summary["gen_tokens_per_s"] == 40.0  # median of 40, 40, 32
+    assert summary["train_tokens_per_s"] == pytest.approx(540 / 5)  # median of 560/5, 580/7, 540/5
+    assert summary["reward_per_step"] == [0.2, 0.4, 0.5, 0.6] and summary["reward_mean"] == pytest.approx(0.425)
+    assert summary["startup_s"] == 40.0 and summary["peak_mem_gib"] == 3.0
+
+
+def test_ratios_and_table():
+    ours = {"step_s": 10.0, "gen_tokens_per_s": 300.0, "peak_mem_gib": 4.0, "reward_per_step": [0.2, 0.5]}
+    trl = {"step_s": 40.0, "gen_tokens_per_s": 100.0, "peak_mem_gib": 0.0, "reward_per_step": [0.1, 0.3]}
+    r = ratios(ours, trl, "grpo")
+    assert r["step_s"] == 0.25 and r["gen_tokens_per_s"] == 3.0 and r["peak_mem_gib"] is None
+    table = format_table({"ours": ours, "trl": trl}, "grpo", errors={"trl-vllm": "AttributeError: x"})
+    lines = table.splitlines()
+    assert lines[0] == "| metric | ours | trl | ours/trl |"
+    assert "| median step s, steps 1..N-1 (lower is better) | 10 | 40 | 0.25 |" in lines
+    assert "| generation tokens/s (higher is better) | 300 | 100 | 3 |" in lines
+    assert any(line.startswith("| reward/mean per step | 0.2 0.5 | 0.1 0.3 |") for line in lines)
+    assert "trl-vllm failed: AttributeError: x" in table
+
+
+def test_dpo_steps_summary_and_record():
+    metrics = [{"step": -1, "eval/loss": 0.69}] + [
+        {"step": k, "timing/step_s": s, "throughput/tokens_per_s": 100.0, "loss": l, "rewards/accuracy": a,
+         "rewards/margin": m} for k, (s, l, a, m) in enumerate([(8.0, 0.69, 0.0, 0.0), (4.0, 0.6, 0.5, 0.2),
+                                                                (6.0, 0.5, 1.0, 0.5)])]
+    steps = ours_dpo_steps(metrics)
+    assert [s["step"] for s in steps] == [0, 1, 2] and steps[1]["train_tokens"] == 400.0
+    trl_steps = [{"step": k, "step_s": 10.0, "train_s": 10.0, "train_tokens": 500.0, "loss": 0.6, "accuracy": 0.5,
+                  "margin": 0.1} for k in range(3)]
+    record = build_record(workload=WORKLOADS["dpo-cpu"].to_dict(), time="t", command="c", git={"commit": "abc"},
+                          machine={"cpu": "x"}, versions={"trl": "1.16.0"}, env={}, overrides=["a=b"],
+                          sides={"ours": {"steps": steps}, "trl": {"steps": trl_steps},
+                                 "trl-vllm": {"steps": [], "ok": False}}, notes=[])
+    assert tuple(record) == RECORD_KEYS
+    assert record["summary"]["ours"]["step_s"] == 5.0 and record["summary"]["ours"]["accuracy_mean"] == 0.5
+    assert record["ratios"]["trl"]["step_s"] == 0.5 and record["ratios"]["trl"]["train_tokens_per_s"] == 2.0
+    assert "trl-vllm" not in record["summary"]  # a side with no steps has no summary, only its record
+    json.dumps(record)  # one JSON line
+    table = format_table({k: record["summary"][k] for k in ("ours", "trl")}, "dpo")
+    assert "| loss per step | 0.69 0.6 0.5 | 0.6 0.6 0.6 |" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# grpo-gpu-scale (benchmarks/scale.py): layouts, per-layout summary, speedup, targets, table
+
+
+def _layout_metrics(step_s, engine_s, sync_s):
+    """Hand-made metrics.jsonl of one layout: an evaluation-only record, then one record per step
+    with `len(engine_s[k])` engines (each generating 100 tokens) and per-engine sync seconds."""
+    out = [{"step": -1, "eval/pass@1": 0.0}]
+    for k, (s, gens, syncs) in enumerate(zip(step_s, engine_s, sync_s)):
+        m = {"step": k, "timing/step_s": s, "timing/generate_s": max(gens), "timing/train_s": s / 2,
+             "timing/sync_s": max(syncs) + 0.05, "timing/reward_s": 0.01, "response_len/mean": 10.0,
+             "reward/mean": 0.5, "memory/learner_peak_gib": 3.0 + k, "gen/engine_time_ratio": max(gens) / min(gens)}
+        m.update({f"gen/engine{e}_tokens": 100.0 for e in range(len(gens))})
+        m.update({f"gen/engine{e}_s": g for e, g in enumerate(gens)})
+        m.update({f"sync/engine{e}_s": t for e, t in enumerate(syncs)})
+        out.append(m)
+    return out
+
+
+def _scale_runs():
+    """Two layouts' run records as benchmarks/scale.py builds them (64 samples per step)."""
+    from benchmarks.scale import layout_steps
+
+    one = _layout_metrics([30.0, 8.0, 8.0, 10.0], [[4.0]] * 4, [[0.1], [0.1], [0.2], [0.1]])
+    two = _layout_metrics([20.0, 5.0, 4.0, 6.0], [[2.0, 2.5], [2.0, 2.5], [2.0, 3.0], [2.0, 2.0]],
+                          [[0.1, 0.2], [0.1, 0.3], [0.1, 0.15], [0.1, 0.2]])
+    cluster = {"placement": "colocated", "engines": 2, "tp": 1, "ranks": 2, "backend": "deepspeed", "zero_stage": 2}
+    return {
+        "1gpu": {"ok": True, "steps": layout_steps(one, [200] * 4, 64), "peak_gpu_gib": 70.0,
+                 "cluster": {**cluster, "engines": 1, "ranks": 1, "backend": "fsdp2", "zero_stage": 3}},
+        "2gpu-zero2": {"ok": True, "steps": layout_steps(two, [200] * 4, 64), "peak_gpu_gib": 120.0,
+                       "cluster": cluster},
+        "2gpu-split": {"ok": False, "steps": [], "error": "Traceback ...\nRuntimeError: NCCL error\n\n"},
+    }
+
+
+def test_scale_steps_carry_per_engine_figures():
+    runs = _scale_runs()
+    steps = runs["2gpu-zero2"]["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]  # the evaluation-only record is skipped
+    assert [s["engines"] for s in steps] == [2, 2, 2, 2] and runs["1gpu"]["steps"][0]["engines"] == 1
+    assert [s["engine_time_ratio"] for s in steps] == [1.25, 1.25, 1.5, 1.0]
+    assert [s["sync_engine_max_s"] for s in steps] == [0.2, 0.3, 0.15, 0.2]
+    assert steps[1]["gen_tokens"] == 640.0 and steps[1]["step_s"] == 5.0  # summary.ours_grpo_steps' fields
+
+
+def test_scale_summary_and_speedup():
+    from benchmarks.scale import summarize_layout, with_speedups
+
+    runs = _scale_runs()
+    summaries = with_speedups({name: summarize_layout(runs[name], gpus=gpus, samples_per_step=64)
+                               for name, gpus in (("1gpu", 1), ("2gpu-zero2", 2))})
+    one, two = summaries["1gpu"], summaries["2gpu-zero2"]
+    assert one["step_s"] == 8.0 and two["step_s"] == 5.0  # medians of steps 1..3
+    assert one["samples_per_s"] == 8.0 and one["samples_per_s_per_gpu"] == 8.0 and one["speedup"] == 1.0
+    assert two["samples_per_s"] == 12.8 and two["samples_per_s_per_gpu"] == 6.4
+    assert two["speedup"] == pytest.approx(1.6)
+    assert two["generate_s"] == 2.5 and two["train_s"] == 2.5
+    assert two["sync_s"] == pytest.approx(0.25)  # median of 0.35, 0.2, 0.25
+    assert two["sync_engine_max_s"] == 0.3  # the slowest engine of steps 1..3
+    assert two["engine_time_ratio"] == 1.25  # median of 1.25, 1.5, 1.0
+    assert two["learner_peak_gib"] == 6.0 and two["peak_gpu_gib"] == 120.0  # max over all steps; nvidia-smi
+    assert (two["gpus"], two["engines"], two["learners"]) == (2, 2, "2 deepspeed ZeRO-2")
+    assert (one["engines"], one["learners"]) == (1, "1 fsdp2")
+    assert two["reward_mean"] == 0.5
+    # Without a cluster line (it never printed), the engines come from the per-engine metrics.
+    no_line = summarize_layout({**runs["2gpu-zero2"], "cluster": None}, gpus=2, samples_per_step=64)
+    assert no_line["engines"] == 2 and no_line["learners"] is None
+    assert with_speedups({"2gpu-zero2": two})["2gpu-zero2"]["speedup"] is None  # no 1gpu baseline
+
+
+def test_scale_targets_table_and_record():
+    from benchmarks.scale import SCALE_RECORD_KEYS, build_scale_record, format_scale_table, last_line
+
+    runs = _scale_runs()
+    layouts = {"1gpu": {"gpus": 1, "overrides": []}, "2gpu-zero2": {"gpus": 2, "overrides": []},
+               "2gpu-split": {"gpus": 2, "overrides": []}}
+    record = build_scale_record(
+        workload={**WORKLOADS["grpo-gpu-scale"].to_dict(), "prompts_per_step": 16, "group_size": 4}, time="t",
+        command="c", git={"commit": "abc"}, machine={"gpus": ["H100"]}, versions={}, env={}, overrides=["a=b"],
+        layouts=layouts, sides=runs, notes=[])
+    assert tuple(record) == SCALE_RECORD_KEYS
+    assert set(record["summary"]) == {"1gpu", "2gpu-zero2"}  # a failed layout keeps its record, no summary
+    assert record["summary"]["2gpu-zero2"]["speedup"] == pytest.approx(1.6)
+    assert record["targets"] == [
+        "2 GPUs vs 1: best 2-GPU layout 2gpu-zero2 gives 1.60x samples/s (target >= 1.8x): missed",
+        "4 GPUs vs 1: not measured (needs 1gpu and a 4-GPU layout that ran)",
+        "sync: max 0.25 s (target <= 0.3 s): met (median of steps 1..N-1, layout 2gpu-zero2)",
+    ]
+    json.dumps(record)  # one JSON line
+    # Weak scaling: the 2-GPU layout ran twice the prompts, so its samples/s per GPU is 1gpu's x 1.6.
+    weak = build_scale_record(
+        workload={**WORKLOADS["grpo-gpu-scale"].to_dict(), "prompts_per_step": 16, "group_size": 4}, time="t",
+        command="c", git={}, machine={}, versions={}, env={}, overrides=[], notes=[], weak=True,
+        layouts={**layouts, "2gpu-zero2": {"gpus": 2, "prompts_per_step": 32, "overrides": []}}, sides=runs)
+    assert weak["scaling"] == "weak" and weak["summary"]["2gpu-zero2"]["samples_per_s_per_gpu"] == 12.8
+    assert weak["targets"][0] == "2 GPUs vs 1, weak: 2gpu-zero2 keeps 160% of 1 GPU's samples/s per GPU (target >= 90%): met"
+    errors = {"2gpu-split": last_line(runs["2gpu-split"]["error"])}
+    lines = format_scale_table(list(layouts), record["summary"], errors).splitlines()
+    assert lines[0] == "| metric | 1gpu | 2gpu-zero2 | 2gpu-split |"
+    assert "| GPUs | 1 | 2 | failed |" in lines
+    assert "| learner ranks, backend | 1 fsdp2 | 2 deepspeed ZeRO-2 | failed |" in lines
+    assert "| samples/s: prompts x group / step s | 8 | 12.8 | failed |" in lines
+    assert "| speedup vs 1gpu (samples/s) | 1 | 1.6 | failed |" in lines
+    assert "| max engine sync s (sync/engine*_s) | 0.2 | 0.3 | failed |" in lines
+    assert not any(line.startswith("| peak host memory") for line in lines)  # no layout has a value
+    assert lines[-1] == "2gpu-split failed: RuntimeError: NCCL error"
+
+
+def test_scale_cluster_line_and_layout_choice():
+    from benchmarks.scale import LAYOUTS, choose_layouts, parse_cluster_line, visible_gpus
+
+    log = ("noise\ncluster: split, 1 engine(s) x TP 1, 1 fsdp2 learner rank(s) on 1 node(s), 2 GPUs, 32 CPUs\n"
+           "placement: engines 0@node0 | learner ranks 0@node0")
+    assert parse_cluster_line(log) == {"placement": "split", "engines": 1, "tp": 1, "ranks": 1, "backend": "fsdp2"}
+    assert parse_cluster_line("Traceback: died early") is None
+    assert choose_layouts(None, 1, on_gpu=True) == (
+        ["1gpu"], ["2gpu-fsdp2 skipped: needs 2 GPUs, 1 visible", "4gpu-fsdp2 skipped: needs 4 GPUs, 1 visible",
+                   "8gpu-fsdp2 skipped: needs 8 GPUs, 1 visible"])
+    assert choose_layouts(None, 4, on_gpu=True)[0] == ["1gpu", "2gpu-fsdp2", "4gpu-fsdp2"]
+    assert choose_layouts(list(LAYOUTS), 8, on_gpu=True) == (list(LAYOUTS), [])
+    assert choose_layouts(["2gpu-split"], 0, on_gpu=False) == (["2gpu-split"], [])  # CPU: GPUs are nominal
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_scale_layouts_resolve(tmp_path, on_gpu):
+    from benchmarks.scale import LAYOUTS, layout_overrides
+
+    w = WORKLOADS["grpo-gpu-scale"]
+    assert (w.prompts_per_step, w.group_size, w.max_new_tokens, w.ignore_eos, w.trl_sides) == (64, 8, 256, True, ())
+    assert w.extra == WORKLOADS["grpo-gpu"].extra
+    want = {"1gpu": ("colocated", 1, "fsdp2", 0), "2gpu-fsdp2": ("colocated", 2, "fsdp2", 0),
+            "2gpu-zero2": ("colocated", 2, "deepspeed", 0), "2gpu-split": ("split", 1, "fsdp2", 0),
+            "4gpu-fsdp2": ("colocated", 4, "fsdp2", 0), "4gpu-zero2": ("colocated", 4, "deepspeed", 0),
+            "4gpu-zero3": ("colocated", 4, "deepspeed", 0), "4gpu-split-zero2": ("split", 3, "deepspeed", 0),
+            "4gpu-split-zero2-async": ("split", 3, "deepspeed", 1), "4gpu-split-fsdp2": ("split", 2, "fsdp2", 0),
+            "4gpu-split-fsdp2-async": ("split", 2, "fsdp2", 1), "8gpu-fsdp2": ("colocated", 8, "fsdp2", 0),
+            "8gpu-split-zero2": ("split", 7, "deepspeed", 0), "8gpu-split-zero3": ("split", 7, "deepspeed", 0)}
+    assert want.keys() == LAYOUTS.keys()
+    for name, layout in LAYOUTS.items():
+        base = our_overrides(w, output_dir=str(tmp_path / name), model_path=str(tmp_path / "model"))
+        cfg = load_config(w.recipe, [*base, *layout_overrides(layout, on_gpu=on_gpu, prompts=256)])
+        got = (cfg.cluster.placement, cfg.learner.num_ranks, cfg.learner.backend, cfg.grpo.max_staleness)
+        assert got == want[name], name
+        assert cfg.generation.max_new_tokens == 256 and cfg.generation.ignore_eos and cfg.grpo.prompts_per_step == 256
+        # Colocated on a GPU, `auto` resolves the engines at launch; split layouts and CPU name the count.
+        auto = on_gpu and cfg.cluster.placement == "colocated"
+        assert cfg.cluster.generator_engines == ("auto" if auto else layout.engines)
+        assert layout.gpus == (layout.engines + cfg.learner.num_ranks if cfg.cluster.placement == "split"
+                               else cfg.learner.num_ranks)
+    assert load_config(w.recipe, list(LAYOUTS["2gpu-zero2"].overrides)).learner.zero_stage == 2
+    assert load_config(w.recipe, list(LAYOUTS["8gpu-split-zero3"].overrides)).learner.zero_stage == 3
+
+
+def test_scale_layouts_on_disjoint_gpus_run_at_once_and_plot(tmp_path):
+    """On 4 GPUs the default line runs in two waves: 1gpu beside 2gpu-fsdp2, then 4gpu-fsdp2; the
+    plot has the measured points and the ideal line."""
+    from benchmarks.scale import LAYOUTS, plot_scaling, summarize_layout, with_speedups
+    from benchmarks.summary import waves
+
+    names = ["1gpu", "2gpu-fsdp2", "4gpu-fsdp2"]
+    assert waves({n: LAYOUTS[n].gpus for n in names}, ["0", "1", "2", "3"], parallel=True) == [
+        {"1gpu": ["0"], "2gpu-fsdp2": ["1", "2"]}, {"4gpu-fsdp2": ["0", "1", "2", "3"]}]
+    assert len(waves({n: LAYOUTS[n].gpus for n in names}, ["0", "1", "2", "3"], parallel=False)) == 3
+    runs = _scale_runs()
+    summaries = with_speedups({name: summarize_layout(runs[name], gpus=gpus, samples_per_step=64)
+                               for name, gpus in (("1gpu", 1), ("2gpu-zero2", 2))})
+    out = plot_scaling(summaries, tmp_path / "scale.png", "grpo-gpu-scale, strong scaling")
+    assert out == tmp_path / "scale.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_scaling({}, tmp_path / "none.png", "nothing ran") is None and not (tmp_path / "none.png").exists()
+
+
+def test_profiled_kernels_are_grouped_by_kind():
+    """A profile's GPU time by kernel kind, shares of the kernels' total, and the span's idle time."""
+    from benchmarks.sidecommon import kernel_kinds
+
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 4.0),
+               ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", 1.0),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::bfloat16_copy_kernel_cuda>", 1.5),
+               ("_rms_norm_forward_kernel", 0.25), ("_swiglu_forward_kernel", 0.25),
+               ("ncclDevKernel_AllGather_RING_LL", 0.5), ("void at::native::reduce_kernel<512, 1>", 0.5),
+               ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdam>", 2.0)]
+    out = kernel_kinds(kernels, wall_s=12.0)
+    assert out["kinds_s"] == {"matmul": 4.0, "optimizer": 2.0, "copy/cast": 1.5, "attention": 1.0,
+                              "collective": 0.5, "reduction/softmax": 0.75, "triton": 0.25}
+    assert out["kernel_s"] == 10.0 and out["idle_s"] == 2.0 and out["kinds_share"]["matmul"] == 0.4

@@ -1,0 +1,199 @@
+"""Data-parallel generation without vLLM: prompt sharding, per-prompt seeds, the engine count and
+layout for each placement, which learner rank feeds which engine, per-engine metrics, and (over
+real Ray actors) order restoration and fail-fast errors that name the actor and the phase."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, load_config
+from rlhf.data.batching import even_shards
+from rlhf.types import SamplingSpec
+
+# ------------------------------------------------------------------------------------------------
+# Sharding: contiguous, balanced, order restored, a group never split
+
+
+@pytest.mark.parametrize("count,parts", [(0, 3), (1, 4), (5, 2), (7, 3), (8, 8), (64, 7), (3, 1)])
+def test_even_shards_cover_everything_in_order_and_balance(count, parts):
+    shards = even_shards(count, parts)
+    assert len(shards) == parts
+    assert [i for s in shards for i in s] == list(range(count))  # concatenation restores the order
+    sizes = [len(s) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the larger shares first
+
+
+def test_even_shards_hand_computed():
+    assert even_shards(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert even_shards(2, 4) == [range(0, 1), range(1, 2), range(2, 2), range(2, 2)]
+    with pytest.raises(ValueError):
+        even_shards(4, 0)
+
+
+def test_a_group_never_spans_engines():
+    """Engines get whole prompts; completions [i*n, (i+1)*n) answer prompt i, so the n samples of a
+    prompt always come from the engine that got the prompt."""
+    n, prompts = 4, 10
+    owner = {}
+    for engine, shard in enumerate(even_shards(prompts, 3)):
+        for p in shard:
+            for k in range(n):
+                owner[p * n + k] = engine
+    for p in range(prompts):
+        assert len({owner[p * n + k] for k in range(n)}) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-prompt seeds
+
+
+def test_prompt_seeds_are_deterministic_distinct_and_not_adjacent():
+    spec = SamplingSpec(n=8, max_new_tokens=4, seed=12345)
+    seeds = [spec.prompt_seed(i) for i in range(2000)]
+    assert seeds == [SamplingSpec(n=8, max_new_tokens=4, seed=12345).prompt_seed(i) for i in range(2000)]
+    assert all(0 <= s < 2**62 for s in seeds)
+    # vLLM seeds the k-th sample of a prompt with seed + k: no two prompts may share any of those.
+    used = [s + k for s in seeds for k in range(spec.n)]
+    assert len(set(used)) == len(used)
+    other = SamplingSpec(n=8, max_new_tokens=4, seed=12346)
+    assert not set(seeds) & {other.prompt_seed(i) for i in range(2000)}  # the next step draws anew
+    assert SamplingSpec(n=1, max_new_tokens=1).prompt_seed(3) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine count, layout and weight-sync targets
+
+
+def _cfg(*overrides: str):
+    return load_config(None, ["grpo.prompts_per_step=8", *overrides])
+
+
+def test_auto_engine_count_per_placement_and_device():
+    from rlhf.rules import engine_count
+
+    assert engine_count(_cfg("learner.num_ranks=4"), "cpu", 0) == 1  # CPU: engines would share cores
+    assert engine_count(_cfg("learner.num_ranks=4"), "cuda", 4) == 4  # colocated: one per learner GPU
+    assert engine_count(_cfg("learner.num_ranks=8", "grpo.prompts_per_step=6"), "cuda", 8) == 4  # <= groups,
+    # and a divisor of the ranks
+    split = ["cluster.placement=split", "learner.num_ranks=7"]
+    assert engine_count(_cfg(*split), "cuda", 8) == 1  # the seeds' layout: GPU 0 generates, 1-7 learn
+    assert engine_count(_cfg("cluster.placement=split", "learner.num_ranks=4"), "cuda", 8) == 4
+    assert engine_count(_cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_tp=2"),
+                        "cuda", 8) == 3
+    assert engine_count(_cfg("cluster.generator_engines=2", "learner.num_ranks=2"), "cpu", 0) == 2
+
+
+def test_the_planner_counts_the_engines_the_cluster_builds():
+    """One rule (rlhf.rules.engine_count) for the cluster and the planner: colocated `auto` is capped
+    by the step's prompt groups and divides the ranks (the planner's own copy had said one engine
+    per rank); split with pinned ranks gets every GPU they leave (it had said one engine)."""
+    from rlhf.planner.memory import engines
+    from rlhf.rules import engine_count
+
+    capped = _cfg("learner.num_ranks=8", "grpo.prompts_per_step=6")
+    assert engines(capped) == engine_count(capped, "cuda", 8) == 4
+    split = _cfg("cluster.placement=split", "learner.num_ranks=7")
+    assert engines(split) == engine_count(split, "cuda", 8) == 1
+    pinned = _cfg("cluster.placement=split", "learner.num_ranks=4", "cluster.generator_engines=4")
+    assert engines(pinned) == engine_count(pinned, "cuda", 8) == 4
+    assert engines(load_config(None, ["algorithm=dpo"])) == 0
+
+
+@pytest.mark.parametrize("overrides,gpus,message", [
+    (["cluster.placement=split", "learner.num_ranks=8"], 8, "leave 0"),
+    (["cluster.placement=split", "learner.num_ranks=5", "cluster.generator_tp=2"], 8, "not a positive multiple"),
+    (["cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=3"], 4, "needs 5 GPUs"),
+    (["learner.num_ranks=4"], 2, "needs 4 GPUs"),
+])
+def test_engine_count_that_does_not_fit_the_gpus_is_one_line(overrides, gpus, message):
+    from rlhf.rules import engine_count
+
+    with pytest.raises(ConfigError, match=message) as err:
+        engine_count(_cfg(*overrides), "cuda", gpus)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["learner.num_ranks=4", "cluster.generator_engines=3"], "a divisor of learner.num_ranks=4"),
+    (["learner.num_ranks=8", "cluster.generator_engines=8", "grpo.prompts_per_step=4"],
+     "at most grpo.prompts_per_step=4"),
+    (["cluster.generator_engines=0"], "'auto' or an integer >= 1"),
+    (["cluster.generator_tp=2"], "tensor-parallel engines need placement=split"),
+    (["cluster.generator_tp=0", "cluster.placement=split"], "an integer >= 1"),
+    (["cluster.generator_engines=two"], "expected an integer or one of 'auto'"),
+    (["cluster.generator_gpus=2"], "use cluster.generator_tp"),
+    (["cluster.placement_strategy=EVERYWHERE"], "one of 'PACK'"),
+])
+def test_bad_engine_settings_are_one_line_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_layouts():
+    from actors.cluster import plan_layout
+
+    colocated = plan_layout(_cfg("learner.num_ranks=4", "cluster.generator_engines=2"), "cuda", 2)
+    assert colocated.bundles == [{"GPU": 1.0}] * 4
+    assert colocated.engine_bundles == [0, 2] and colocated.learner_bundles == [0, 1, 2, 3]
+    assert colocated.ranks_per_engine == 2
+    assert colocated.engine_share["GPU"] + colocated.learner_share["GPU"] <= 1.0  # both fit on one GPU
+
+    split = plan_layout(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_tp=2"), "cuda", 2)
+    assert split.bundles == [{"GPU": 2.0}] * 2 + [{"GPU": 1.0}] * 3
+    assert split.engine_bundles == [0, 1] and split.learner_bundles == [2, 3, 4]
+
+    cpu = plan_layout(_cfg("learner.num_ranks=2", "cluster.generator_engines=2"), "cpu", 2)
+    assert cpu.bundles == [{"CPU": 0.1}] * 2 and cpu.engine_bundles == [0, 1]
+    assert plan_layout(_cfg("learner.num_ranks=2"), "cpu").engine_bundles == []  # learners only (DPO)
+
+
+def test_which_rank_feeds_which_engine():
+    import torch
+
+    from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, engine_targets
+
+    engines = ["e0", "e1"]
+    ipc = engine_targets(CudaIpcTransport(dtype=torch.bfloat16), engines, num_ranks=4, ranks_per_engine=2)
+    assert ipc == [[(0, "e0")], [], [(1, "e1")], []]  # each engine from the rank on its own GPU
+    cpu = engine_targets(ObjectStoreTransport(dtype=torch.float32), engines, num_ranks=2, ranks_per_engine=1)
+    assert cpu == [[(0, "e0"), (1, "e1")], []]  # rank 0 sends each bucket once to every engine
+
+
+def test_only_nccl_asks_for_a_rendezvous_address():
+    """The (address, free port) for NCCL comes from a Ray task on learner rank 0's node: a worker
+    process to start, so it is asked for only where the transport is NCCL."""
+    from actors.weight_sync import CudaIpcTransport, NcclTransport, ObjectStoreTransport, choose_transport
+
+    asked = []
+
+    def rendezvous() -> tuple[str, int]:
+        asked.append(1)
+        return "10.0.0.7", 29555
+
+    assert isinstance(choose_transport(_cfg(), "cpu", rendezvous), ObjectStoreTransport)
+    assert isinstance(choose_transport(_cfg("cluster.placement=colocated"), "cuda", rendezvous), CudaIpcTransport)
+    assert asked == []
+    nccl = choose_transport(_cfg("cluster.placement=split"), "cuda", rendezvous)
+    assert isinstance(nccl, NcclTransport) and (nccl.master_address, nccl.master_port) == ("10.0.0.7", 29555)
+    assert asked == [1]
+
+
+def test_engine_metrics():
+    from actors.engine_group import engine_metrics
+
+    m = engine_metrics({0: (100, 2.0), 1: (80, 0.5)})
+    assert m == {"gen/engine0_tokens": 100.0, "gen/engine0_s": 2.0, "gen/engine1_tokens": 80.0,
+                 "gen/engine1_s": 0.5, "gen/engine_time_ratio": 4.0}
+    assert engine_metrics({0: (5, 1.0)})["gen/engine_time_ratio"] == 1.0
+
+
+def test_actor_failure_survives_pickling():
+    """Raised inside an actor (a learner's weight-sync fan-out), it reaches the driver pickled."""
+    import pickle
+
+    from actors.actor_group import ActorFailure
+
+    again = pickle.loads(pickle.dumps(ActorFailure("engine 1 died during weight sync: gone", lost=True)))
+    assert str(again) == "engine 1 died during weight sync: gone" and again.lost
