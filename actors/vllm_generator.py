@@ -78,10 +78,7 @@ class VLLMGenerator:
         refuse_quantization(cfg, self.device)  # before vLLM fails on its own
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
-        separate = cfg.engine_process == "separate"
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
-        if separate:  # our own RPCs (functions, IPC handles) go pickled to our own engine process
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        self._rpc_root = engine_process_env(separate=cfg.engine_process == "separate")
         self._dynamo_disabled = torch._dynamo.config.disable  # "Eager engines"; shutdown restores it
         if cfg.enforce_eager:
             torch._dynamo.config.disable = True
@@ -321,11 +318,12 @@ class VLLMGenerator:
         """Tear the engine down in this process and free its memory; with `process_exits` (the
         process is killed next), only what would outlive it ("Teardown" in the module docstring)."""
         torch._dynamo.config.disable = getattr(self, "_dynamo_disabled", torch._dynamo.config.disable)
+        for folder in (getattr(self, "_lora_root", None), getattr(self, "_rpc_root", None)):
+            if folder is not None:  # open sockets and files live on after their names go
+                shutil.rmtree(folder, ignore_errors=True)
         llm = getattr(self, "llm", None)
         if llm is None:
             return
-        if self._lora_root is not None:
-            shutil.rmtree(self._lora_root, ignore_errors=True)
         if process_exits and self._tp == 1 and self.cfg.engine_process == "inline":
             return
         llm.llm_engine.engine_core.shutdown()
@@ -356,6 +354,17 @@ def open_learner_weight_group(master_address: str, master_port: int, world_size:
     from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
     return trainer_init(dict(master_address=master_address, master_port=master_port, world_size=world_size))
+
+
+def engine_process_env(*, separate: bool) -> str:
+    """What vLLM reads from the environment when an engine is built: the engine core inline or in
+    its own process (where our RPCs, functions and IPC handles, travel pickled), and a private
+    folder for its ZMQ socket files, which vLLM leaves behind; returned for shutdown to remove."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
+    if separate:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    folder = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="rlhf-vllm-ipc-")
+    return folder
 
 
 def loads_in_place(device_kind: str, cfg: GenerationConfig) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -372,6 +373,7 @@ def test_an_engine_core_in_its_own_process_samples_and_syncs_like_the_inline_one
     finally:
         gen.shutdown()
     assert _new_processes(before) == []
+    assert not Path(gen._rpc_root).exists()  # vLLM's socket files went with the engine
 
 
 def _new_processes(before: set[int]) -> list[str]:
