@@ -45,7 +45,7 @@ from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
 from actors.worker_setup import gc_paused
-from rlhf.algo.objectives import is_max_metric, merge_metrics, reduce_metrics
+from rlhf.algo.objectives import is_max_metric, merge_metrics, metric_floats, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
 from rlhf.lora import (
@@ -201,13 +201,15 @@ class LearnerRank:
         was_training = model.training
         model.eval()
         mbs, count = self._aligned_micro_batches(batch)
-        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+        out, parts = torch.zeros(batch.input_ids.shape, dtype=torch.float32), []
         with context:
             for i in range(count):
                 items, mb = mbs[i] if i < len(mbs) else (None, batch.dummy())
-                lp = self._forward_logprobs(model, mb).cpu()
+                lp = self._forward_logprobs(model, mb)
                 if items is not None:
-                    out[_item_rows(batch, items), : lp.shape[1]] = lp
+                    parts.append((items, lp))
+        for items, lp in parts:  # read back after the last forward: no stall between micro-batches
+            out[_item_rows(batch, items), : lp.shape[1]] = lp.cpu()
         model.train(was_training)
         return out
 
@@ -223,7 +225,7 @@ class LearnerRank:
                              device=self._dev)
         dist.all_reduce(units)
         denominator = max(float(units), 1.0)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}  # on the device until the step ends: no read-back per micro-batch
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._dev)  # what was backpropagated
         for i in range(count):
             real = i < len(mbs)
@@ -242,7 +244,7 @@ class LearnerRank:
         seconds = time.perf_counter() - start
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
-        metrics = self._reduce(sums, grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
+        metrics = self._reduce(metric_floats(sums), grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
         metrics.values.update({"train/nonfinite_skipped": float(skipped), "train/nonfinite_params": float(broken),
                                **self._perf(flops, seconds)})
         return metrics

@@ -59,9 +59,10 @@ def _padded(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
     """Scored positions only: the head only from the position before the first scored token on.
     Right-padded rows go without the padding mask unless `learner.padding_mask` (actors.learner_kernels)."""
     dev = layout.device
-    ids, mask = mb.input_ids.to(dev), mb.loss_mask.to(dev)
+    ids, mask = mb.input_ids.to(dev, non_blocking=True), mb.loss_mask.to(dev, non_blocking=True)
     start = first_scored_column(mb.loss_mask)
-    attention_mask = None if not layout.cfg.padding_mask and right_padded(mb.attention_mask) else mb.attention_mask.to(dev)
+    keep_mask = layout.cfg.padding_mask or not right_padded(mb.attention_mask)
+    attention_mask = mb.attention_mask.to(dev, non_blocking=True) if keep_mask else None
     kwargs = dict(input_ids=ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=ids.shape[1] - start + 1)
     if layout.cfg.fused_head:  # fused head: the model returns next-token log-probs, no logits
         with output_head(model).scoring(next_token_targets(ids[:, start - 1:]), layout.temperature):
@@ -86,15 +87,18 @@ def _packed(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
     packed, positions, cu = pack_sequences(sequences, device=dev)
     kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
     if layout.varlen:
-        kwargs |= varlen_kwargs(cu)
-    if cfg.fused_head:
-        with output_head(model).scoring(next_token_targets(packed), layout.temperature):
+        kwargs |= varlen_kwargs(cu, max(len(s) for s in sequences))
+    if cfg.fused_head:  # the head only where the next token is scored: not on a prompt's positions
+        scored = mb.loss_mask[mb.attention_mask.bool()].nonzero().squeeze(-1) - 1  # packing order, host
+        rows = scored.to(dev, non_blocking=True)
+        with output_head(model).scoring(next_token_targets(packed), layout.temperature, rows):
             flat = align_next_token(model(**kwargs).logits, ~sequence_starts(cu, packed.shape[1])[None])[0]
     else:
         flat = packed_token_logprobs(model(**kwargs).logits, packed, cu, temperature=layout.temperature)[0]
     out = torch.zeros(mb.input_ids.shape, dtype=flat.dtype, device=dev)
-    out = out.masked_scatter(mb.attention_mask.to(dev), flat[:total])  # row-major order = packing order
-    return out.masked_fill(~mb.loss_mask.to(dev).bool(), 0.0)
+    # row-major order = packing order
+    out = out.masked_scatter(mb.attention_mask.to(dev, non_blocking=True), flat[:total])
+    return out.masked_fill(~mb.loss_mask.to(dev, non_blocking=True).bool(), 0.0)
 
 
 def first_scored_column(loss_mask: torch.Tensor) -> int:

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from rlhf.algo.logprobs import HeadKernels, add_product, chunk_logits_grad, chunk_logprobs
+from rlhf.algo.logprobs import DEFAULT_CHUNK_TOKENS, HeadKernels, add_product, chunk_logits_grad, chunk_logprobs
 
 VARLEN = "rlhf_varlen"
 """The name `learner.attention: varlen` is registered under in transformers' attention interface."""
@@ -72,9 +72,12 @@ def register_varlen_attention() -> str:
     return VARLEN
 
 
-def varlen_kwargs(cu_seqlens: torch.Tensor) -> dict[str, object]:
-    """The forward-call keywords that carry a packed row's borders to `_varlen_attention_forward`."""
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+def varlen_kwargs(cu_seqlens: torch.Tensor, max_len: int | None = None) -> dict[str, object]:
+    """The forward-call keywords that carry a packed row's borders to `_varlen_attention_forward`;
+    pass the longest document's length where the host knows it (reading it off a GPU tensor stalls
+    the stream)."""
+    if max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
 
 
@@ -104,7 +107,11 @@ def fused_head_kernels(device_kind: str) -> HeadKernels:
     backend = os.environ.get("RLHF_COMPILE_BACKEND", "inductor")
     compiled = functools.partial(torch.compile, backend=backend, dynamic=True, fullgraph=True)
     accumulate = _addmm_fp32 if device_kind == "cuda" else add_product
-    return HeadKernels(compiled(chunk_logprobs), compiled(chunk_logits_grad), accumulate)
+    # On a GPU, chunks of 4096 rows: the weight gradient's fp32 accumulator [vocab x d] is read and
+    # written once per chunk, so 1024-row chunks spent more time on it than on the product (H100
+    # profile, benchmarks/README.md); 4096 rows of bf16 logits are 1.2 GB at a 152k vocabulary.
+    chunk = 4096 if device_kind == "cuda" else DEFAULT_CHUNK_TOKENS
+    return HeadKernels(compiled(chunk_logprobs), compiled(chunk_logits_grad), accumulate, chunk)
 
 
 def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -38,6 +40,8 @@ VARIANTS: dict[str, dict] = {
                               "liger": True, "cast_once_per_step": True},
     "varlen-liger-cast-head": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 16384,
                                "liger": True, "cast_once_per_step": True, "head_kernels": "fused"},
+    "varlen-compile-cast-head": {"pack_sequences": True, "attention": "varlen", "max_tokens_per_micro_batch": 16384,
+                                 "compile": True, "cast_once_per_step": True, "head_kernels": "fused"},
 }
 
 
@@ -73,7 +77,7 @@ def make_batch(seed: int = 0):
                       advantages=torch.randn(len(lengths), generator=g))
 
 
-def run_variant(name: str, model: Path, steps: int) -> dict:
+def run_variant(name: str, model: Path, steps: int, profile: str | None = None, extra: dict | None = None) -> dict:
     import torch.distributed as dist
 
     from actors.device import gpu_identity
@@ -84,19 +88,27 @@ def run_variant(name: str, model: Path, steps: int) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
     learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
                           model_path=str(model), model_cfg=ModelConfig(dtype="bfloat16"),
-                          learner_cfg=LearnerConfig(**(BASE | VARIANTS[name])), temperature=1.0,
+                          learner_cfg=LearnerConfig(**(BASE | VARIANTS[name] | (extra or {}))), temperature=1.0,
                           with_reference=False, seed=0, driver_store=True)
     batch, seconds, records = make_batch(), [], []
-    for _ in range(steps):
+    for step in range(steps):
+        profiler = None
+        if profile and step == steps - 1 and steps > 1:  # the last step, compiled and warm
+            from benchmarks.sidecommon import Profiler
+
+            profiler = Profiler(Path(profile) / f"learner-{name}.json")
+            profiler.start()
         start = time.perf_counter()
         metrics = learner.train_step(batch, GRPOObjective())
         seconds.append(time.perf_counter() - start)
+        if profiler is not None:
+            profiler.stop()
         records.append({"s": round(seconds[-1], 3), "mfu": round(metrics.values.get("perf/mfu", 0.0), 4),
                         "peak_gib": round(metrics.values["memory/learner_peak_gib"], 2),
                         "loss": metrics.loss, "grad_norm": metrics.grad_norm})
     learner.shutdown()
     steady = seconds[1:] or seconds
-    return {"variant": name, "keys": VARIANTS[name], "median_s": round(statistics.median(steady), 3),
+    return {"variant": name, "keys": VARIANTS[name] | (extra or {}), "median_s": round(statistics.median(steady), 3),
             "mfu": statistics.median(r["mfu"] for r in records[1:] or records),
             "peak_gib": max(r["peak_gib"] for r in records), "tokens": int(batch.attention_mask.sum()),
             "gpu": (gpu_identity() or ("cpu", 0.0))[0], "steps": records}
@@ -109,14 +121,20 @@ def main() -> None:
     p.add_argument("--models", default="/tmp/bench-models")
     p.add_argument("--out", default="benchmarks/results/learner-kernels.jsonl")
     p.add_argument("--timeout", type=float, default=240, help="seconds per variant")
+    p.add_argument("--profile", metavar="DIR", help="profile each variant's last step: DIR/learner-<variant>.{json,txt,"
+                   "kernels.json} (the trace, the top ops, the GPU's time by kernel kind)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a learner key on top of every variant run, e.g. --set max_tokens_per_micro_batch=24576")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # the child process's one variant
     args = p.parse_args()
+    extra = {k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.set)}
     model = build_model(Path(args.models) / "qwen2.5-1.5b-random")
     if args.variant:
-        print(json.dumps(run_variant(args.variant, model, args.steps)), flush=True)
+        print(json.dumps(run_variant(args.variant, model, args.steps, args.profile, extra)), flush=True)
         return
     for name in args.only or list(VARIANTS):
-        cmd = [sys.executable, __file__, "--variant", name, "--steps", str(args.steps), "--models", args.models]
+        cmd = [sys.executable, __file__, "--variant", name, "--steps", str(args.steps), "--models", args.models,
+               *(["--profile", args.profile] if args.profile else []), *(f"--set={item}" for item in args.set)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ | {"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"})
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -30,6 +30,8 @@ Decisions:
 
 from __future__ import annotations
 
+import itertools
+
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -111,6 +113,8 @@ class HeadKernels:
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = chunk_logprobs
     logits_grad: Callable[..., torch.Tensor] = chunk_logits_grad
     accumulate: Callable[..., torch.Tensor] = add_product
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Rows of logits per chunk (LogprobHead's default)."""
 
 
 EAGER_HEAD = HeadKernels()
@@ -169,29 +173,41 @@ class LogprobHead(torch.nn.Module):
     as [B, T'] next-token log-probs ("Fused head" in the module docstring).
     """
 
-    def __init__(self, head: torch.nn.Linear, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    def __init__(self, head: torch.nn.Linear, chunk_tokens: int | None = None,
                  kernels: HeadKernels = EAGER_HEAD) -> None:
         super().__init__()
         if head.bias is not None:
             raise ValueError("LogprobHead: LM heads with a bias are not supported")
         self.weight = head.weight
-        self.chunk_tokens, self.kernels = chunk_tokens, kernels
+        self.chunk_tokens, self.kernels = chunk_tokens or kernels.chunk_tokens, kernels
         self.targets: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
         self.temperature = 1.0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
             return torch.nn.functional.linear(hidden, self.weight)
-        return head_logprobs(hidden, self.weight, self.targets, temperature=self.temperature,
-                             chunk_tokens=self.chunk_tokens, kernels=self.kernels)
+        if self.rows is None:
+            return head_logprobs(hidden, self.weight, self.targets, temperature=self.temperature,
+                                 chunk_tokens=self.chunk_tokens, kernels=self.kernels)
+        # Only the positions asked for pass through the head (a prompt's positions score nothing):
+        # their log-probs land in place, every other position reads 0.
+        flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.rows)
+        picked = head_logprobs(flat, self.weight, self.targets.reshape(-1).index_select(0, self.rows),
+                               temperature=self.temperature, chunk_tokens=self.chunk_tokens, kernels=self.kernels)
+        out = picked.new_zeros(self.targets.numel()).index_put((self.rows,), picked)
+        return out.view(self.targets.shape)
 
     @contextmanager
-    def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
-        self.targets, self.temperature = targets, temperature
+    def scoring(self, targets: torch.Tensor, temperature: float, rows: torch.Tensor | None = None
+                ) -> Iterator[None]:
+        """Forward passes inside return log p(targets) instead of logits; `rows`: the flat indices
+        of the positions to score (the others read 0 and cost nothing), None for all."""
+        self.targets, self.temperature, self.rows = targets, temperature, rows
         try:
             yield
         finally:
-            self.targets = None
+            self.targets = self.rows = None
 
 
 def align_next_token(stat_next: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -276,10 +292,14 @@ def pack_sequences(
     """
     if len(sequences) == 0 or any(len(s) == 0 for s in sequences):
         raise ValueError("pack_sequences needs at least one sequence and no empty sequence")
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int32, device=device)
-    cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
-    position_ids = torch.cat([torch.arange(int(n), dtype=torch.long, device=device) for n in lengths])
+    # Built on the host and moved once per tensor: reading lengths back from a GPU tensor, or one
+    # arange per sequence there, would stall the stream once per sequence of every micro-batch.
+    lengths = [len(s) for s in sequences]
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    input_ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+    input_ids, position_ids, cu_seqlens = (t.to(device, non_blocking=True)
+                                           for t in (input_ids, position_ids, cu_seqlens))
     return input_ids[None], position_ids[None], cu_seqlens
 
 

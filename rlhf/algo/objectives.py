@@ -10,21 +10,23 @@ Gradient contract for learners: the sum over micro-batches *and ranks* of the re
 the step loss, so gradients must be summed across ranks. Under DDP/FSDP, which average gradients
 over the world, multiply the loss by the world size before `backward()`.
 
-Metrics contract: every call returns python floats that are *sums over the micro-batch*:
+Metrics contract: every call returns 0-d tensors (on the log-probs' device: reading each back would
+stall an accelerator once per micro-batch) or floats, that are *sums over the micro-batch*:
   "loss"    the micro-batch's share of the step loss (already divided by `denominator`);
   "weight"  how many units the other metrics are weighted by (masked tokens for GRPO, pairs for DPO);
   others    metric * weight (e.g. clip_frac times the number of masked tokens).
   *_max     a maximum (e.g. is/weight_max), combined by max instead (`is_max_metric`).
 Sum the dicts key by key over micro-batches and ranks (an all-reduce SUM; MAX for the *_max
-keys: `merge_metrics`), then call `reduce_metrics`, which keeps "loss", "weight" and the maxima
-and divides every other key by "weight".
+keys: `merge_metrics`, which keeps tensors on their device), then call `reduce_metrics`, which
+reads them back at once (`metric_floats`), keeps "loss", "weight" and the maxima and divides
+every other key by "weight".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 import torch
 
@@ -42,17 +44,34 @@ def is_max_metric(key: str) -> bool:
     return key.endswith("_max")
 
 
-def merge_metrics(total: dict[str, float], part: Mapping[str, float]) -> dict[str, float]:
-    """Add one micro-batch's (or rank's) metrics into `total`, in place: sums, maxima for *_max."""
+def merge_metrics(total: dict[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
+    """Add one micro-batch's (or rank's) metrics into `total`, in place: sums, maxima for *_max.
+    Tensors stay tensors on their device (no read-back per micro-batch); floats stay floats."""
     for key, value in part.items():
-        if key in total and is_max_metric(key):
-            total[key] = max(total[key], float(value))
+        value = value.detach() if isinstance(value, torch.Tensor) else float(value)
+        if key not in total:
+            total[key] = value
+        elif is_max_metric(key):
+            both = (total[key], value)
+            total[key] = (max(both) if not any(isinstance(v, torch.Tensor) for v in both)
+                          else torch.maximum(*(torch.as_tensor(v, dtype=torch.float64) for v in both)))
         else:
-            total[key] = total.get(key, 0.0) + float(value)
+            total[key] = total[key] + value
     return total
 
 
-def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
+def metric_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """`metrics` as python floats, its tensors read back in one transfer (one stall, not one a key)."""
+    tensors = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return {k: float(v) for k, v in metrics.items()}
+    device = metrics[tensors[0]].device
+    read = torch.stack([metrics[k].to(device, torch.float64).reshape(()) for k in tensors]).tolist()
+    floats = dict(zip(tensors, read))
+    return {k: floats[k] if k in floats else float(v) for k, v in metrics.items()}
+
+
+def reduce_metrics(parts: Iterable[Mapping[str, Any]]) -> dict[str, float]:
     """Combine objective metrics of several micro-batches (and ranks) into step metrics.
 
         out["loss"] = sum_i parts[i]["loss"];  out["weight"] = W = sum_i parts[i]["weight"]
@@ -61,9 +80,10 @@ def reduce_metrics(parts: Iterable[Mapping[str, float]]) -> dict[str, float]:
 
     Passing a single dict that is already the key-wise sum over ranks is equally valid.
     """
-    total: dict[str, float] = {}
+    total: dict[str, Any] = {}
     for part in parts:
         merge_metrics(total, part)
+    total = metric_floats(total)
     weight = total.get("weight", 0.0)
     return {k: v if k in ("loss", "weight") or is_max_metric(k) else (v / weight if weight > 0 else 0.0)
             for k, v in total.items()}
@@ -133,35 +153,39 @@ class GRPOObjective:
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TrainBatch, denominator: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss, metrics) for one micro-batch; logprobs [B, T]. Metrics per the module docstring:
         loss, weight (masked tokens), clip_frac, ratio, kl and, with sampler log-probs,
         mismatch/logprob_abs_diff (each times weight)."""
         if self.kl_coef > 0 and batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 needs batch.ref_logprobs (reference-model log-probs)")
         dev = logprobs.device
-        mask = batch.loss_mask.to(dev)
-        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(dev)
-        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev)
+
+        def here(t: torch.Tensor) -> torch.Tensor:  # host -> device without waiting for the queue
+            return t.to(dev, non_blocking=True)
+
+        mask = here(batch.loss_mask)
+        old = logprobs.detach() if batch.old_logprobs is None else here(batch.old_logprobs)
+        ref = None if batch.ref_logprobs is None else here(batch.ref_logprobs)
         weights, is_stats = None, {}
         if self.is_correction != "none":
             if batch.sampler_logprobs is None:
                 raise ValueError(f"is_correction={self.is_correction!r} needs batch.sampler_logprobs (the engine's)")
-            weights, is_stats = importance_weights(old, batch.sampler_logprobs.to(dev), mask, self.is_correction,
+            weights, is_stats = importance_weights(old, here(batch.sampler_logprobs), mask, self.is_correction,
                                                    self.is_cap)
         loss, stats = grpo_policy_loss(
-            logprobs, old, batch.advantages.to(dev), mask, clip_low=self.clip_low, clip_high=self.clip_high,
+            logprobs, old, here(batch.advantages), mask, clip_low=self.clip_low, clip_high=self.clip_high,
             loss_agg=self.loss_agg, ref_logprobs=ref, kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator, max_len=self.max_len, denominator=denominator, token_weights=weights,
         )
-        weight = float(mask.sum())
-        metrics = {"loss": float(loss.detach()), "weight": weight}
+        weight = mask.sum(dtype=torch.float64)
+        metrics = {"loss": loss.detach().double(), "weight": weight}
         # means as weighted sums; a maximum (is/weight_max) as it is: reduce_metrics takes the max
-        metrics.update({k: float(v) if is_max_metric(k) else float(v) * weight
+        metrics.update({k: v.detach().double() if is_max_metric(k) else v.detach().double() * weight
                         for k, v in (stats | is_stats).items()})
         if batch.sampler_logprobs is not None:
-            diff = (logprobs.detach() - batch.sampler_logprobs.to(dev)).abs()
-            metrics["mismatch/logprob_abs_diff"] = float(diff.masked_fill(~mask.bool(), 0.0).sum())
+            diff = (logprobs.detach() - here(batch.sampler_logprobs)).abs()
+            metrics["mismatch/logprob_abs_diff"] = diff.masked_fill(~mask.bool(), 0.0).sum(dtype=torch.float64)
         return loss, metrics
 
 
@@ -194,7 +218,7 @@ class DPOObjective:
     @staticmethod
     def sequence_logps(token_lp: torch.Tensor, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed response log-probs split into (chosen [P], rejected [P]); token_lp [2P, T]."""
-        return sequence_logprobs(token_lp, batch.loss_mask.to(token_lp.device)).chunk(2)
+        return sequence_logprobs(token_lp, batch.loss_mask.to(token_lp.device, non_blocking=True)).chunk(2)
 
     def num_units(self, batch: PreferenceBatch) -> float:
         """This batch's share of the step denominator: the number of pairs."""
@@ -202,13 +226,13 @@ class DPOObjective:
 
     def __call__(
         self, logprobs: torch.Tensor, batch: PreferenceBatch, denominator: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """(sum of per-pair losses / denominator, metrics); logprobs [2P, T]. Metrics (times
         weight = P): rewards/chosen, rewards/rejected, rewards/accuracy, rewards/margin,
         logps/chosen, logps/rejected (summed log-probs)."""
         chosen, rejected = self.sequence_logps(logprobs, batch)
         if self.loss_type in ("ipo", "simpo"):
-            lengths = batch.loss_mask.to(logprobs.device).sum(-1).clamp(min=1).to(logprobs.dtype)
+            lengths = batch.loss_mask.to(logprobs.device, non_blocking=True).sum(-1).clamp(min=1).to(logprobs.dtype)
             len_c, len_r = lengths.chunk(2)
         else:
             len_c = len_r = torch.ones((), dtype=logprobs.dtype, device=logprobs.device)
@@ -219,20 +243,14 @@ class DPOObjective:
             if batch.ref_chosen_logps is None or batch.ref_rejected_logps is None:
                 raise ValueError(f"loss_type={self.loss_type!r} needs batch.ref_chosen_logps and "
                                  f"batch.ref_rejected_logps")
-            ref_c = batch.ref_chosen_logps.to(logprobs.device)
-            ref_r = batch.ref_rejected_logps.to(logprobs.device)
+            ref_c = batch.ref_chosen_logps.to(logprobs.device, non_blocking=True)
+            ref_r = batch.ref_rejected_logps.to(logprobs.device, non_blocking=True)
             losses, r_c, r_r = dpo_loss(chosen / len_c, rejected / len_r, ref_c / len_c, ref_r / len_r,
                                         beta=self.beta, loss_type=self.loss_type,  # type: ignore[arg-type]
                                         label_smoothing=self.label_smoothing)
         loss = losses.sum() / denominator
-        metrics = {
-            "loss": float(loss.detach()),
-            "weight": float(len(batch)),
-            "rewards/chosen": float(r_c.sum()),
-            "rewards/rejected": float(r_r.sum()),
-            "rewards/accuracy": float((r_c > r_r).float().sum()),
-            "rewards/margin": float((r_c - r_r).sum()),
-            "logps/chosen": float(chosen.detach().sum()),
-            "logps/rejected": float(rejected.detach().sum()),
-        }
+        sums = {"loss": loss.detach(), "rewards/chosen": r_c.sum(), "rewards/rejected": r_r.sum(),
+                "rewards/accuracy": (r_c > r_r).sum(), "rewards/margin": (r_c - r_r).sum(),
+                "logps/chosen": chosen.detach().sum(), "logps/rejected": rejected.detach().sum()}
+        metrics = {"weight": float(len(batch))} | {k: v.detach().double() for k, v in sums.items()}
         return loss, metrics

@@ -223,9 +223,11 @@ def test_head_logprobs_equal_log_softmax_values_and_gradients(temperature):
     torch.testing.assert_close(weight.grad, want[2], atol=1e-5, rtol=1e-5)
 
 
-def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2):
+@pytest.mark.parametrize("scored_rows", [False, True], ids=["every-position", "scored-rows-only"])
+def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2, scored_rows):
     """A tiny Qwen2 with LogprobHead in place of lm_head: plain forward passes
-    give the same logits; scoring gives token_logprobs' values and the same gradients."""
+    give the same logits; scoring gives token_logprobs' values and the same gradients, also when
+    only the positions before scored tokens pass through the head (`rows`, what packed rows use)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf.algo.logprobs import LogprobHead, align_next_token, next_token_targets
@@ -241,7 +243,8 @@ def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2):
             model.lm_head = LogprobHead(model.lm_head, chunk_tokens=8)
             tied = model.lm_head.weight is model.model.embed_tokens.weight
             assert tied == bool(model.config.tie_word_embeddings)  # the head keeps the very Parameter
-            with model.lm_head.scoring(next_token_targets(ids), temperature=0.9):
+            rows = mask.reshape(-1).nonzero().squeeze(-1) - 1 if scored_rows else None
+            with model.lm_head.scoring(next_token_targets(ids), temperature=0.9, rows=rows):
                 lp = align_next_token(model(input_ids=ids).logits, mask)
         else:
             lp = token_logprobs(model(input_ids=ids).logits, ids, mask, temperature=0.9)
