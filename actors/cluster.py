@@ -10,6 +10,9 @@ Every backend and placement choice of a run is made here, once, from the config:
     learners only     DPO: bundle i = GPU i = learner rank i; no engines, no reward workers
     CPU               the same layouts with small CPU shares instead of GPUs (sleep is a no-op);
                       auto: one engine (more would share the same cores)
+    reward worker     no share, unless it serves models on a device (`rlhf.rules.device_share`):
+                      colocated, a slice of bundle 0 beside engine 0 and learner rank 0; split,
+                      one more bundle of its own after the learners'
 
 Several nodes: the bundles are one placement group (`cluster.placement_strategy`: PACK fills a
 node first, SPREAD puts bundles on different nodes); learner rank 0's node is the rendezvous of the
@@ -18,15 +21,15 @@ learners and of the NCCL weight sync. The model path must be readable on every n
 
 from __future__ import annotations
 
+import dataclasses
 import time
-
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
-from actors.actor_group import TIMEOUT_ENV, ActorGroup, load_class, node_address, set_timeout
+from actors.actor_group import TIMEOUT_ENV, ActorGroup, gather, load_class, node_address, set_timeout
 from actors.device import detect
 from actors.engine_group import EngineGroup
 from actors.learner_base import LearnerRank
@@ -35,7 +38,7 @@ from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
 from rlhf.config import ClusterConfig, ConfigError, RunConfig
 from rlhf.lora import serves_adapters
-from rlhf.rules import engine_count, holds_reference_model
+from rlhf.rules import device_share, engine_count, holds_reference_model, reward_gpus
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group not ready by then will not be: say why instead of hanging
@@ -65,6 +68,9 @@ class Layout:
     learner_bundles: list[int]
     engine_share: dict[str, float]
     learner_share: dict[str, float]
+    reward_bundle: int | None = None
+    """The reward worker's bundle where it takes a device share (module docstring), else None."""
+    reward_share: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def ranks_per_engine(self) -> int:
@@ -83,6 +89,7 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
     if not engines:
         return Layout(bundles=[{unit: one} for _ in range(n)], engine_bundles=[],
                       learner_bundles=list(range(n)), engine_share={}, learner_share={unit: one})
+    served = device_share(cfg.reward)  # the reward worker's share, by the same rule as the engines'
     if cfg.cluster.placement == "colocated":
         return Layout(
             bundles=[{unit: one} for _ in range(n)],
@@ -90,14 +97,37 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
             learner_bundles=list(range(n)),
             engine_share={unit: one * 0.4},
             learner_share={unit: one * 0.5},
+            reward_bundle=0 if served else None,
+            reward_share={unit: one * 0.1} if served else {},
         )
     return Layout(
-        bundles=[{unit: one * tp} for _ in range(engines)] + [{unit: one} for _ in range(n)],
+        bundles=[{unit: one * tp} for _ in range(engines)] + [{unit: one} for _ in range(n + served)],
         engine_bundles=list(range(engines)),
         learner_bundles=list(range(engines, engines + n)),
         engine_share={unit: one * tp},
         learner_share={unit: one},
+        reward_bundle=engines + n if served else None,
+        reward_share={unit: one} if served else {},
     )
+
+
+def _reward_scorer(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, generator: EngineGroup,
+                   start_after: list | None = None) -> RayRewardScorer:
+    """The reward worker on its share of `layout` (none: num_cpus=0 anywhere), handed the policy's
+    engines for judges that have no model of their own; with a share, it touches the device once
+    `start_after` is ready."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options: dict[str, Any] = {"num_cpus": 0}
+    if layout.reward_bundle is not None:
+        options = {**_share(layout.reward_share), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=layout.reward_bundle)}
+    return RayRewardScorer(cfg.reward, model_path, options=options,
+                           offload=layout.reward_bundle is not None and cfg.cluster.placement == "colocated",
+                           generation=cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
+                           start_after=start_after if layout.reward_bundle is not None else None,
+                           engines=list(generator.engines) if any(f.judge and not f.judge_model
+                                                                  for f in cfg.reward.functions) else [])
 
 
 def _share(share: dict[str, float]) -> dict[str, float]:
@@ -170,7 +200,8 @@ def describe_placement(pg: Any, layout: Layout) -> str:
     engines = " ".join(f"{e}@{short[nodes[b]]}" for e, b in enumerate(layout.engine_bundles))
     learners = " ".join(f"{r}@{short[nodes[b]]}" for r, b in enumerate(layout.learner_bundles))
     ids = ", ".join(f"{name}={node[:8]}" for node, name in short.items())
-    return f"placement: engines {engines or '-'} | learner ranks {learners} ({ids})"
+    reward = "" if layout.reward_bundle is None else f" | reward worker @{short[nodes[layout.reward_bundle]]}"
+    return f"placement: engines {engines or '-'} | learner ranks {learners}{reward} ({ids})"
 
 
 @dataclass
@@ -199,7 +230,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     device = detect()
-    engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
+    engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0) - reward_gpus(cfg))
     layout = plan_layout(cfg, device.kind, engines)
     pg = _placement_group(cfg.cluster, layout)
     print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "
@@ -213,8 +244,13 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     # vLLM's own use (ZeRO-3 under memory.plan=auto: "No available memory for the cache blocks").
     # So colocated learners touch the GPU only once the engines are up; their processes start and
     # import their backend meanwhile (`start_after`).
-    learners = _learner_group(cfg, model_path, pg, layout,
-                              start_after=generator.group.ready_refs() if engines_first else None)
+    # A reward worker with a device share beside them loads its models in the same gap, after the
+    # engines and before the learners (a judge's own engine profiles the GPU like the policy's).
+    after = generator.group.ready_refs() if engines_first else None
+    rewards = _reward_scorer(cfg, model_path, pg, layout, generator, start_after=after)
+    if engines_first and layout.reward_bundle is not None:
+        after = [rewards.ready_ref()]
+    learners = _learner_group(cfg, model_path, pg, layout, start_after=after)
     if engines_first:
         generator.group.ready()
         ready["engines"] = time.perf_counter() - start
@@ -222,7 +258,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     transport = choose_transport(cfg, device.kind, lambda: ray.get(node_address.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote()))
     targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks, layout.ranks_per_engine)
-    rewards = RayRewardScorer(cfg.reward, model_path)
+    gather([rewards.ready_ref()], ["reward worker"], "start-up")  # before the learners that may wait on it
     learners.group.ready()
     ready["learners"] = time.perf_counter() - start
     if not engines_first:

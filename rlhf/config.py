@@ -105,10 +105,20 @@ class RewardFnConfig:
     """`package.module:function` or `path/to/file.py:function`."""
     model: str = ""
     """Instead of `function`: a reward model, an HF sequence-classification folder with one output
-    (rlhf.reward_model), scored on the CPU of the reward worker with its chat template applied."""
+    (rlhf.reward_model), scored with its chat template applied where `reward.model_device` says."""
+    judge: str = ""
+    """Instead of `function`: a generative judge (rewards.judges): a built-in template (`score_0_10`),
+    a `.txt` file or the template itself, with `{prompt}` and `{response}`; its score (0..10) / 10."""
+    judge_model: str = ""
+    """The judge's own model folder (an engine of `generation.backend` in the reward worker); empty:
+    the policy's engines judge."""
+    judge_max_tokens: int = 32
+    """Tokens a judge may write before its score (greedy)."""
+    judge_memory_utilization: float = 0.2
+    """Fraction of the GPU the `judge_model`'s vLLM engine takes."""
     weight: float = 1.0
     batch_size: int = 8
-    """Samples per forward pass of a reward `model`."""
+    """Samples per forward pass of a reward `model` (unless `reward.max_tokens_per_batch` is set)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +134,13 @@ class RewardConfig:
     warn_failed_frac: float = 0.1
     """Print one terminal line on a step where a reward function fails or times out on more than
     this fraction of the step's samples (0 < f <= 1)."""
+    model_device: Literal["cpu", "gpu"] = "cpu"
+    """Where reward `model`s score: `cpu` (fp32, no device share) or `gpu`: a share placed like the
+    engines' (colocated: a slice of GPU 0, offloaded to host memory between scorings; split: a GPU of
+    its own), bf16. On a CPU-only machine `gpu` takes a CPU share (the same code path)."""
+    max_tokens_per_batch: int = 0
+    """Reward-model batches by token budget (0: `batch_size` rows each): samples sorted by length and
+    packed so rows x longest row stays within it; scores come back in order. Bounds the activations."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from rlhf.errors import ConfigError
 
 if TYPE_CHECKING:
     from rlhf.config import (DataConfig, DPOConfig, EnvConfig, EvalConfig, GenerationConfig, LearnerConfig,
-                             RewardConfig, RunConfig)
+                             RewardConfig, RewardFnConfig, RunConfig)
 
 
 def check(ok: bool, key: str, allowed: str, value: Any) -> None:
@@ -174,16 +174,35 @@ def _reward(r: RewardConfig) -> None:
     check(r.max_failed_steps >= 1, "reward.max_failed_steps", "an integer >= 1", r.max_failed_steps)
     check(0 < r.warn_failed_frac <= 1, "reward.warn_failed_frac", "a number in (0, 1]", r.warn_failed_frac)
     check(r.num_workers >= 1, "reward.num_workers", "an integer >= 1", r.num_workers)
+    check(r.max_tokens_per_batch >= 0, "reward.max_tokens_per_batch",
+          "an integer >= 0 (0 = reward.functions[i].batch_size rows per batch)", r.max_tokens_per_batch)
     for i, fn in enumerate(r.functions):
-        if not fn.function and not fn.model:
-            raise ConfigError(f"reward.functions[{i}].function is required (or reward.functions[{i}].model, "
-                              f"a reward model folder)", key=f"reward.functions[{i}]")
-        check(not (fn.function and fn.model), f"reward.functions[{i}].model", "empty when "
-              f"reward.functions[{i}].function is set (one reward per entry)", fn.model)
-        check(bool(fn.model) or ":" in fn.function, f"reward.functions[{i}].function",
-              "'package.module:function' or 'path/to/file.py:function'", fn.function)
-        check(fn.batch_size >= 1, f"reward.functions[{i}].batch_size", "an integer >= 1", fn.batch_size)
-        check(math.isfinite(fn.weight), f"reward.functions[{i}].weight", "a finite number", fn.weight)
+        _reward_entry(i, fn)
+
+
+def _reward_entry(i: int, fn: RewardFnConfig) -> None:
+    """One `reward.functions` entry: exactly one of function, model, judge, and its own settings."""
+    from rewards.judges import template_problem
+
+    key = f"reward.functions[{i}]"
+    kinds = [k for k in ("function", "model", "judge") if getattr(fn, k)]
+    if not kinds:
+        raise ConfigError(f"{key}.function is required (or {key}.model, a reward model folder, or "
+                          f"{key}.judge, a judge template)", key=key)
+    check(len(kinds) == 1, f"{key}.{kinds[-1]}", f"empty when {key}.{kinds[0]} is set (one reward per entry)",
+          getattr(fn, kinds[-1]))
+    check(bool(fn.model or fn.judge) or ":" in fn.function, f"{key}.function",
+          "'package.module:function' or 'path/to/file.py:function'", fn.function)
+    check(fn.batch_size >= 1, f"{key}.batch_size", "an integer >= 1", fn.batch_size)
+    check(math.isfinite(fn.weight), f"{key}.weight", "a finite number", fn.weight)
+    check(not fn.judge_model or bool(fn.judge), f"{key}.judge_model", f"empty unless {key}.judge is set "
+          "(the judge's own model)", fn.judge_model)
+    if fn.judge:
+        problem = template_problem(fn.judge)
+        check(problem is None, f"{key}.judge", problem or "", fn.judge)
+    check(fn.judge_max_tokens >= 1, f"{key}.judge_max_tokens", "an integer >= 1", fn.judge_max_tokens)
+    check(0 < fn.judge_memory_utilization < 1, f"{key}.judge_memory_utilization", "a number in (0, 1)",
+          fn.judge_memory_utilization)
 
 
 def _env(e: EnvConfig) -> None:
@@ -243,7 +262,7 @@ def _grpo_can_learn(c: RunConfig) -> None:
     weights = [fn.weight for fn in c.reward.functions]
     check(any(w != 0 for w in weights), "reward.functions",
           "at least one weight != 0 (every reward, so every advantage, would be 0)",
-          [f"{fn.function or fn.model} (weight {fn.weight:g})" for fn in c.reward.functions])
+          [f"{fn.function or fn.model or fn.judge} (weight {fn.weight:g})" for fn in c.reward.functions])
     check(g.updates_per_step == 1 or g.clip_low > 0 or g.clip_high > 0, "grpo.clip_high",
           f"> 0 (or grpo.clip_low > 0) with grpo.updates_per_step={g.updates_per_step}: a clip range of "
           f"[1, 1] clips every token once the first update moves the ratio, so the later updates change "

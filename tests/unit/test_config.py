@@ -25,7 +25,7 @@ ALLOWED_KEYS = {
     "generation.max_num_batched_tokens", "generation.per_prompt_seeds", "generation.enable_prefix_caching", "generation.async_scheduling",
     "generation.quantization",
     "reward.functions", "reward.timeout_s", "reward.num_workers", "reward.max_failed_steps",
-    "reward.warn_failed_frac",
+    "reward.warn_failed_frac", "reward.model_device", "reward.max_tokens_per_batch",
     "grpo.steps", "grpo.prompts_per_step", "grpo.group_size", "grpo.scale_by_std", "grpo.clip_low",
     "grpo.clip_high", "grpo.loss_agg", "grpo.kl_coef", "grpo.kl_estimator", "grpo.updates_per_step",
     "dpo.beta", "dpo.loss_type", "dpo.label_smoothing", "dpo.simpo_gamma", "dpo.epochs", "dpo.pairs_per_step",
