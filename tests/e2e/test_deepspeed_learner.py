@@ -1,9 +1,10 @@
 """DeepSpeed ZeRO-2/3 (and FSDP2) learners over gloo with 2 ranks == one plain PyTorch process.
 
-No Ray here: two processes from torch.multiprocessing per backend, so a failure points at the
-learner itself. One spawn per backend runs every scenario (first GRPO step, checkpoint round trip,
-first DPO step) and writes its results to files; the tests below check one aspect each against a
-single-process reference computed with a plain HF model, AdamW and the same warm-up scheduler.
+No Ray here: two processes from torch.multiprocessing, so a failure points at the learner itself.
+One spawn runs every backend in turn, and for each every scenario (first GRPO step, checkpoint
+round trip, first DPO step) on fresh learners, and writes its results to files; the tests below
+check one aspect each against a single-process reference computed with a plain HF model, AdamW and
+the same warm-up scheduler.
 """
 
 from __future__ import annotations
@@ -106,8 +107,21 @@ def _local_share(model: torch.nn.Module) -> float:
     return local / total
 
 
-def _rank_main(rank: int, world: int, port: int, backend: str, model_path: str,
+def _rank_main(rank: int, world: int, port: int, model_path: str,
                batches: tuple[TrainBatch, TrainBatch, PreferenceBatch], out: str) -> None:
+    """Every backend in turn, on fresh learners in the ranks' one group: `<out>/<backend>/rank<rank>.pt`."""
+    import os
+
+    import torch.distributed as dist
+
+    for backend in BACKENDS:
+        os.makedirs(f"{out}/{backend}", exist_ok=True)  # both ranks make it
+        _backend_case(rank, world, port, backend, model_path, batches, f"{out}/{backend}")
+    dist.destroy_process_group()
+
+
+def _backend_case(rank: int, world: int, port: int, backend: str, model_path: str,
+                  batches: tuple[TrainBatch, TrainBatch, PreferenceBatch], out: str) -> None:
     first, second, pairs = (shard_for_rank(b, rank, world) for b in batches)
     learner = _make_learner(backend, rank, world, port, model_path, with_reference=True)
     res: dict = {"initial": _weights(learner), "policy_share": _local_share(learner.model),
@@ -123,7 +137,6 @@ def _rank_main(rank: int, world: int, port: int, backend: str, model_path: str,
     fresh = _make_learner(backend, rank, world, port, model_path, with_reference=False)
     res["dpo"] = (fresh.train_step(pairs, DPO), _weights(fresh))
     torch.save(res, f"{out}/rank{rank}.pt")  # files, not a queue: tensors outlive the process
-    learner.shutdown()
 
 
 # ------------------------------------------------------------------ the plain single-process side
@@ -164,19 +177,27 @@ def setup(tiny_qwen2):
     }
 
 
-@pytest.fixture(scope="module", params=list(BACKENDS))
-def run(request, setup, tiny_qwen2, tmp_path_factory):
-    """Both ranks' results of one backend (one spawn per backend, shared by the tests below)."""
-    out = tmp_path_factory.mktemp(request.param)
+@pytest.fixture(scope="module")
+def every_backend(setup, tiny_qwen2, tmp_path_factory):
+    """The folder of every backend's results: one spawn of the two ranks runs them all in turn (a
+    spawn per backend only repeated ~10 s of imports each)."""
+    out = tmp_path_factory.mktemp("backends")
     ctx = mp.get_context("spawn")
     store = rendezvous_store(2)
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, store.port, request.param, str(tiny_qwen2), setup["batches"],
-                                                  str(out))) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, store.port, str(tiny_qwen2), setup["batches"], str(out)))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=600)
+        p.join(timeout=900)
     assert [p.exitcode for p in procs] == [0, 0]
+    return out
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def run(request, every_backend):
+    """Both ranks' results of one backend, shared by the tests below."""
+    out = every_backend / request.param
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], out
 
 

@@ -1,6 +1,9 @@
 """FSDP2 learner over gloo with 2 ranks == one plain PyTorch process on the same batch (GRPO, DPO).
 
 No Ray here: two processes from torch.multiprocessing, so a failure points at the learner itself.
+One spawn of the two ranks runs every 2-rank case in turn (a fresh learner each, in the ranks'
+one gloo group) and writes each case's results to its own files; the tests below check one case
+each against the single-process reference. (A spawn per case cost ~10 s of imports each.)
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ from tests.support.learners import attach_reference, make_batch, make_pairs, ren
 LEARNER = LearnerConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1.0)
 
 
-def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, objective, out: str,
-               learner_cfg: LearnerConfig = LEARNER, train: bool = True) -> None:
+def _make_learner(rank: int, world: int, port: int, model_path: str, learner_cfg: LearnerConfig,
+                  with_reference: bool):
+    """A fresh learner (model, optimizer, seed 0); the first one made in a process joins the group."""
     from actors.learner_base import LearnerRank
 
-    learner = LearnerRank(
+    return LearnerRank(
         rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
-        model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=False, seed=0,
-        driver_store=True,
+        model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0,
+        with_reference=with_reference, seed=0, driver_store=True,
     )
+
+
+def _grpo_case(learner, rank: int, world: int, batch: TrainBatch, objective, out: str, train: bool = True) -> None:
     shard = shard_for_rank(batch, rank, world)
     lp = learner.logprobs(shard)
     metrics, weights = None, {}
@@ -37,7 +44,6 @@ def _rank_main(rank: int, world: int, port: int, model_path: str, batch: TrainBa
         weights = {n: t for bucket in learner.iter_weight_buckets(2**20, torch.float32, keep=True) for n, t in bucket}
         assert_cast_before_gather(learner, weights)
     torch.save((rank, lp, metrics, weights), f"{out}/rank{rank}.pt")  # files, not a queue: tensors outlive the process
-    learner.shutdown()
 
 
 def assert_cast_before_gather(learner, weights: dict[str, torch.Tensor]) -> None:
@@ -83,17 +89,18 @@ LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_mic
            "padding-mask": replace(LEARNER, padding_mask=True)}
 
 
-@pytest.mark.parametrize(("layout", "loss_agg"), [
-    *((layout, agg) for layout in ("fixed", "token-budget") for agg in ("token-mean", "seq-mean-token-mean")),
-    ("packed-varlen", "token-mean"), ("cast-once", "seq-mean-token-mean"), ("padding-mask", "token-mean")])
-def test_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_agg, layout, tmp_path):
+GRPO_CASES = [*((layout, agg) for layout in ("fixed", "token-budget") for agg in ("token-mean", "seq-mean-token-mean")),
+              ("packed-varlen", "token-mean"), ("cast-once", "seq-mean-token-mean"), ("padding-mask", "token-mean")]
+
+
+@pytest.mark.parametrize(("layout", "loss_agg"), GRPO_CASES)
+def test_two_fsdp2_ranks_match_single_process(two_ranks, tiny_qwen2, loss_agg, layout):
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(tiny_qwen2).vocab_size
-    batch = make_batch(vocab)
+    batch = make_batch(vocab)  # the batch the ranks stepped on (seeded)
     objective = GRPOObjective(loss_agg=loss_agg)
-    spawn_ranks(_rank_main, str(tiny_qwen2), batch, objective, str(tmp_path), LAYOUTS[layout])
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    results = [torch.load(two_ranks / f"{layout}-{loss_agg}" / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     ref_lp, ref_loss, ref_grad_norm, ref_weights = reference_step(str(tiny_qwen2), batch, objective)
     lp = torch.cat([results[0][1], results[1][1]])
@@ -121,11 +128,17 @@ def test_compiled_layers_train_like_eager_layers(tiny_qwen2, tmp_path, monkeypat
     eager on a GPU (tests/gpu/test_learner_gpu.py)."""
     from transformers import AutoConfig
 
-    monkeypatch.setenv("RLHF_COMPILE_BACKEND", "eager")  # the spawned rank inherits it
+    monkeypatch.setenv("RLHF_COMPILE_BACKEND", "eager")  # read when the learner compiles its layers
 
     batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
     cfg = replace(LEARNER, compile=True, cast_once_per_step=True)
-    spawn_ranks(_rank_main, str(tiny_qwen2), batch, GRPOObjective(), str(tmp_path), cfg, world=1)
+    # One rank in this process (as in _one_rank below): a spawned process would only add its imports.
+    store = rendezvous_store(1)
+    learner = _make_learner(0, 1, store.port, str(tiny_qwen2), cfg, with_reference=False)
+    try:
+        _grpo_case(learner, 0, 1, batch, GRPOObjective(), str(tmp_path))
+    finally:
+        _close(learner)
     _, lp, metrics, weights = torch.load(tmp_path / "rank0.pt", weights_only=False)
     ref_lp, ref_loss, ref_grad_norm, ref_weights = reference_step(str(tiny_qwen2), batch, GRPOObjective())
     torch.testing.assert_close(lp, ref_lp * batch.loss_mask, atol=1e-4, rtol=1e-4)
@@ -136,14 +149,13 @@ def test_compiled_layers_train_like_eager_layers(tiny_qwen2, tmp_path, monkeypat
         torch.testing.assert_close(weights[name], ref, atol=5e-5, rtol=0, msg=name)
 
 
-def test_packed_rows_under_flex_attention_match_padded_rows(tiny_qwen2, tmp_path):
+def test_packed_rows_under_flex_attention_match_padded_rows(two_ranks, tiny_qwen2):
     """Token-budget micro-batches packed into one row each, FlexAttention with the per-document mask
     and the fused head: the same log-probs as the plain padded forward (both ranks, every row)."""
     from transformers import AutoConfig
 
     batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
-    spawn_ranks(_rank_main, str(tiny_qwen2), batch, GRPOObjective(), str(tmp_path), LAYOUTS["packed-flex"], False)
-    lp = torch.cat([torch.load(tmp_path / f"rank{r}.pt", weights_only=False)[1] for r in range(2)])
+    lp = torch.cat([torch.load(two_ranks / "packed-flex" / f"rank{r}.pt", weights_only=False)[1] for r in range(2)])
     ref_lp = reference_step(str(tiny_qwen2), batch, GRPOObjective())[0]
     assert bool(batch.loss_mask.any())
     torch.testing.assert_close(lp, ref_lp * batch.loss_mask, atol=1e-5, rtol=1e-5)
@@ -155,20 +167,11 @@ def test_packed_rows_under_flex_attention_match_padded_rows(tiny_qwen2, tmp_path
 DPO_STEPS = 3
 
 
-def _dpo_rank_main(rank: int, world: int, port: int, model_path: str, batch: PreferenceBatch, objective,
-                   learner_cfg: LearnerConfig, out: str) -> None:
-    from actors.learner_base import LearnerRank
-
-    learner = LearnerRank(
-        rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, model_path=model_path,
-        model_cfg=ModelConfig(dtype="float32"), learner_cfg=learner_cfg, temperature=1.0, with_reference=True,
-        seed=0, driver_store=True,
-    )
+def _dpo_case(learner, rank: int, world: int, batch: PreferenceBatch, objective, out: str) -> None:
     shard = shard_for_rank(batch, rank, world)
     shard = attach_reference(shard, learner.logprobs(shard, reference=True))
     steps = [learner.train_step(shard, objective) for _ in range(DPO_STEPS)]
     torch.save(steps, f"{out}/rank{rank}.pt")
-    learner.shutdown()
 
 
 def reference_dpo_steps(model_path: str, batch: PreferenceBatch, objective) -> list[tuple[float, float, float]]:
@@ -196,21 +199,25 @@ def reference_dpo_steps(model_path: str, batch: PreferenceBatch, objective) -> l
     return out
 
 
-@pytest.mark.parametrize(("loss_type", "layout"), [("sigmoid", "padded"), ("ipo", "packed"), ("sigmoid", "shared")],
-                         ids=["sigmoid", "ipo-packed", "sigmoid-shared-prompts"])
-def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type, layout, tmp_path):
+def _dpo_cfg(layout: str) -> LearnerConfig:
+    return replace(LEARNER, pack_sequences=layout == "packed", share_prompts=layout == "shared",
+                   micro_batch_size=2 if layout == "padded" else 4)
+
+
+DPO_CASES = [("sigmoid", "padded"), ("ipo", "packed"), ("sigmoid", "shared")]
+
+
+@pytest.mark.parametrize(("loss_type", "layout"), DPO_CASES, ids=["sigmoid", "ipo-packed", "sigmoid-shared-prompts"])
+def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(two_ranks, tiny_qwen2, loss_type, layout):
     """Chosen and rejected of a pair stay in one micro-batch (micro_batch_size=2 rows = 1 pair), the
     reference is the learners' frozen copy, losses are normalized over all ranks' pairs; with
     packing, the micro-batch runs as one padding-free row; with shared prompts, each pair's prompt
     runs once with both responses after it."""
     from transformers import AutoConfig
 
-    batch = make_pairs(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    batch = make_pairs(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)  # the pairs the ranks stepped on
     objective = DPOObjective(beta=0.1, loss_type=loss_type)
-    learner_cfg = replace(LEARNER, pack_sequences=layout == "packed", share_prompts=layout == "shared",
-                          micro_batch_size=2 if layout == "padded" else 4)
-    spawn_ranks(_dpo_rank_main, str(tiny_qwen2), batch, objective, learner_cfg, str(tmp_path))
-    steps = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    steps = torch.load(two_ranks / f"dpo-{loss_type}-{layout}" / "rank0.pt", weights_only=False)
     want = reference_dpo_steps(str(tiny_qwen2), batch, objective)
     for got, (loss, grad_norm, accuracy) in zip(steps, want):
         assert got.loss == pytest.approx(loss, abs=1e-5)
@@ -218,6 +225,45 @@ def test_dpo_steps_on_two_fsdp2_ranks_match_single_process(tiny_qwen2, loss_type
         assert got.values["rewards/accuracy"] == pytest.approx(accuracy)
     assert steps[0].loss == pytest.approx(0.6931472 if loss_type == "sigmoid" else 0.25 / 0.01, rel=1e-5)
     assert steps[-1].loss < steps[0].loss  # the same pairs three times: the loss goes down
+
+
+# ------------------------------------------------------------------------------------------------
+# One spawn of the two ranks for every 2-rank case above
+
+
+def _cases_main(rank: int, world: int, port: int, model_path: str, batch: TrainBatch, pairs: PreferenceBatch,
+                out: str) -> None:
+    """Every 2-rank case in turn, each on a fresh learner (model, optimizer and seed anew) in the
+    group the first one joined: `<out>/<case>/rank<rank>.pt`."""
+    import os
+
+    import torch.distributed as dist
+
+    def folder(case: str) -> str:
+        os.makedirs(f"{out}/{case}", exist_ok=True)  # both ranks make it
+        return f"{out}/{case}"
+
+    for layout, agg in GRPO_CASES:
+        learner = _make_learner(rank, world, port, model_path, LAYOUTS[layout], with_reference=False)
+        _grpo_case(learner, rank, world, batch, GRPOObjective(loss_agg=agg), folder(f"{layout}-{agg}"))
+    learner = _make_learner(rank, world, port, model_path, LAYOUTS["packed-flex"], with_reference=False)
+    _grpo_case(learner, rank, world, batch, GRPOObjective(), folder("packed-flex"), train=False)
+    for loss_type, layout in DPO_CASES:
+        learner = _make_learner(rank, world, port, model_path, _dpo_cfg(layout), with_reference=True)
+        _dpo_case(learner, rank, world, pairs, DPOObjective(beta=0.1, loss_type=loss_type),
+                  folder(f"dpo-{loss_type}-{layout}"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_qwen2, tmp_path_factory):
+    """The folder of every 2-rank case's results (one spawn of the ranks for the module)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_qwen2).vocab_size
+    out = tmp_path_factory.mktemp("fsdp2-ranks")
+    spawn_ranks(_cases_main, str(tiny_qwen2), make_batch(vocab), make_pairs(vocab), str(out))
+    return out
 
 
 def _one_rank(model_path: str, objective_kl: float):

@@ -199,7 +199,33 @@ def _raw(learner) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in learner.sharding.full_parameters(keep=True)}
 
 
-def _grpo_rank(rank, world, port, backend, model_path, cfg, batch, out):
+def _learner_ranks(rank, world, port, model_path, cfg, batch, pairs, out):
+    """Every learner case of this module in turn, on fresh learners in the ranks' one gloo group (a
+    spawn per case only repeated ~10 s of imports): each backend's GRPO step, checkpoint and reload
+    (`<out>/<backend>/`), then DPO's two references (`<out>/dpo*`)."""
+    import os
+
+    import torch.distributed as dist
+
+    for backend in LEARNER_BACKENDS:
+        os.makedirs(f"{out}/{backend}", exist_ok=True)  # both ranks make it
+        _grpo_case(rank, world, port, backend, model_path, cfg, batch, f"{out}/{backend}")
+    _dpo_case(rank, world, port, model_path, cfg, pairs, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def lora_learners(tiny_qwen2, tmp_path_factory) -> Path:
+    """The folder of every learner case's results (one spawn of the two ranks for the module)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_qwen2).vocab_size
+    out = tmp_path_factory.mktemp("lora-learners")
+    spawn_ranks(_learner_ranks, str(tiny_qwen2), LORA, make_batch(vocab), make_pairs(vocab), str(out))
+    return out
+
+
+def _grpo_case(rank, world, port, backend, model_path, cfg, batch, out):
     learner = _learner(backend, rank, world, port, model_path, cfg)
     shard = shard_for_rank(batch, rank, world)
     before = _raw(learner)
@@ -214,16 +240,13 @@ def _grpo_rank(rank, world, port, backend, model_path, cfg, batch, out):
     second = shard_for_rank(make_batch(learner.model_config.vocab_size, seed=5), rank, world)
     res["step2"] = learner.train_step(second, GRPOObjective(loss_agg="token-mean")).loss
     torch.save(res, f"{out}/rank{rank}.pt")
-    learner.shutdown()
-
-
-def _resume_rank(rank, world, port, backend, model_path, cfg, out):
-    learner = _learner(backend, rank, world, port, model_path, cfg)
-    learner.load(f"{out}/ckpt")
-    second = make_batch(learner.model_config.vocab_size, seed=5)
-    loss = learner.train_step(shard_for_rank(second, rank, world), GRPOObjective(loss_agg="token-mean")).loss
+    del learner
+    # A fresh learner (the base model, new adapters, new optimizer, seed 0) that loads the checkpoint,
+    # as a resumed run's does.
+    resumed = _learner(backend, rank, world, port, model_path, cfg)
+    resumed.load(f"{out}/ckpt")
+    loss = resumed.train_step(second, GRPOObjective(loss_agg="token-mean")).loss
     torch.save(loss, f"{out}/resumed{rank}.pt")
-    learner.shutdown()
 
 
 def _base_logprobs(model_path, batch) -> torch.Tensor:
@@ -237,17 +260,20 @@ def _base_logprobs(model_path, batch) -> torch.Tensor:
     return token_logprobs(logits, batch.input_ids, batch.loss_mask)
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "deepspeed-zero2", "deepspeed-zero3"])
-def test_lora_learner_trains_only_adapters_and_reference_is_the_base(backend, tiny_qwen2, tmp_path):
+LEARNER_BACKENDS = ["fsdp2", "deepspeed-zero2", "deepspeed-zero3"]
+
+
+@pytest.mark.parametrize("backend", LEARNER_BACKENDS)
+def test_lora_learner_trains_only_adapters_and_reference_is_the_base(backend, tiny_qwen2, lora_learners):
     """One step on 2 ranks: base weights untouched, every lora_B moved; the reference (adapters off)
     is the base model before and after; the merged weights equal PEFT's merge of the checkpoint's
     adapter (PEFT format), the adapter push is that adapter file's tensors, the HF export is the
     merged model, and a reloaded learner continues exactly."""
     from transformers import AutoConfig
 
-    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
-    spawn_ranks(_grpo_rank, backend, str(tiny_qwen2), LORA, batch, str(tmp_path))
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)  # the batch the ranks stepped on
+    folder = lora_learners / backend
+    r0, r1 = (torch.load(folder / f"rank{r}.pt", weights_only=False) for r in (0, 1))
     assert r0["trainable"] and all(".lora_" in n for n in r0["trainable"])
     for name, before in r0["before"].items():  # B starts at 0, so A gets no gradient in step 1
         assert ".lora_" in name or torch.equal(before, r0["after"][name]), name
@@ -260,7 +286,7 @@ def test_lora_learner_trains_only_adapters_and_reference_is_the_base(backend, ti
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    ckpt = tmp_path / "ckpt"
+    ckpt = folder / "ckpt"
     assert {p.name for p in (ckpt / "adapter").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32),
                                      str(ckpt / "adapter"))
@@ -274,30 +300,27 @@ def test_lora_learner_trains_only_adapters_and_reference_is_the_base(backend, ti
     exported = AutoModelForCausalLM.from_pretrained(str(ckpt / "model"), dtype=torch.float32)
     for k, v in exported.named_parameters():
         torch.testing.assert_close(v, merged[k], rtol=0, atol=1e-6)
-    spawn_ranks(_resume_rank, backend, str(tiny_qwen2), LORA, str(tmp_path))
-    assert torch.load(tmp_path / "resumed0.pt") == r0["step2"]
+    assert torch.load(folder / "resumed0.pt") == r0["step2"]
 
 
-def _dpo_rank(rank, world, port, model_path, cfg, batch, with_reference, out):
-    learner = _learner("fsdp2", rank, world, port, model_path, cfg, with_reference=with_reference)
-    assert (learner.reference is not None) == with_reference
+def _dpo_case(rank, world, port, model_path, cfg, batch, out):
+    """Three DPO steps with the adapters-off reference, then, on a fresh learner, with a separate
+    frozen reference model."""
     objective = DPOObjective(beta=0.1, loss_type="sigmoid")
     shard = shard_for_rank(batch, rank, world)
-    losses = []
-    for _ in range(3):
-        step = attach_reference(shard, learner.logprobs(shard, reference=True))
-        losses.append(learner.train_step(step, objective).loss)
-    torch.save(losses, f"{out}/dpo{int(with_reference)}_{rank}.pt")
-    learner.shutdown()
-
-
-def test_dpo_adapters_off_reference_equals_a_separate_frozen_reference(tiny_qwen2, tmp_path):
-    from transformers import AutoConfig
-
-    batch = make_pairs(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
     for with_reference in (False, True):
-        spawn_ranks(_dpo_rank, str(tiny_qwen2), LORA, batch, with_reference, str(tmp_path))
-    off, frozen = (torch.load(tmp_path / f"dpo{i}_0.pt") for i in (0, 1))
+        learner = _learner("fsdp2", rank, world, port, model_path, cfg, with_reference=with_reference)
+        assert (learner.reference is not None) == with_reference
+        losses = []
+        for _ in range(3):
+            step = attach_reference(shard, learner.logprobs(shard, reference=True))
+            losses.append(learner.train_step(step, objective).loss)
+        torch.save(losses, f"{out}/dpo{int(with_reference)}_{rank}.pt")
+        del learner
+
+
+def test_dpo_adapters_off_reference_equals_a_separate_frozen_reference(lora_learners):
+    off, frozen = (torch.load(lora_learners / f"dpo{i}_0.pt") for i in (0, 1))
     assert off[0] != off[-1]  # it trains
     assert off == pytest.approx(frozen, abs=1e-5)
 

@@ -43,7 +43,7 @@ def spawn_ranks(target, *args, world: int = 2) -> None:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=600)  # a bound, not a wait: a spawn may run several cases (test_fsdp2_learner.py)
         assert p.exitcode == 0
 
 
