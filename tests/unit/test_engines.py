@@ -197,3 +197,24 @@ def test_actor_failure_survives_pickling():
 
     again = pickle.loads(pickle.dumps(ActorFailure("engine 1 died during weight sync: gone", lost=True)))
     assert str(again) == "engine 1 died during weight sync: gone" and again.lost
+
+
+def test_socket_folders_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
+    """A run killed outright never reaches VLLMGenerator.shutdown; the next engine removes the socket
+    folders whose creating process is gone (actors.vllm_generator.sweep_stale_socket_folders)."""
+    import os
+    import subprocess
+    import sys
+
+    from actors.vllm_generator import sweep_stale_socket_folders
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    gone = tmp_path / f"rlhf-vllm-ipc-{dead.stdout.strip()}-abc"
+    live = tmp_path / f"rlhf-vllm-ipc-{os.getpid()}-def"
+    other = tmp_path / "rlhf-vllm-ipc-notapid-ghi"
+    for folder in (gone, live, other):
+        folder.mkdir()
+        (folder / "socket").write_text("")
+    assert sweep_stale_socket_folders(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and live.exists() and other.exists()
