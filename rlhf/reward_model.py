@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from rewards.judges import parse_score
+from rlhf.data.batching import token_budget_bins
 from rlhf.protocols import Generator
 from rlhf.types import PromptRow, SamplingSpec
 
@@ -65,18 +66,11 @@ def reward_model_name(path: str) -> str:
 
 def reward_batches(lengths: Sequence[int], batch_size: int, max_tokens: int = 0) -> list[list[int]]:
     """Sample indices of each forward pass ("Batches"): consecutive runs of `batch_size`, or with a
-    token budget, longest first, packed while (rows) x (longest row) <= max_tokens (a longer sample
-    alone). Every index appears once."""
+    token budget the learner's micro-batch rule (`rlhf.data.batching.token_budget_bins`: longest
+    first, packed while rows x longest row <= max_tokens, a longer sample alone). Every index once."""
     if not max_tokens:
         return [list(range(s, min(s + batch_size, len(lengths)))) for s in range(0, len(lengths), batch_size)]
-    bins: list[list[int]] = []
-    longest = 0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        if not bins or (len(bins[-1]) + 1) * longest > max_tokens:
-            bins.append([])
-            longest = lengths[i]
-        bins[-1].append(i)
-    return bins
+    return token_budget_bins(lengths, max_tokens)
 
 
 class RewardModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rlhf.types import Batch, PreferenceBatch, PreferencePair, RolloutBatch, TrainBatch
@@ -94,14 +96,22 @@ def micro_batch_items(batch: Batch, size: int, max_tokens: int = 0) -> list[torc
         per = max(1, size // per_item)
         return [torch.arange(start, min(start + per, count)) for start in range(0, count, per)]
     lengths = batch.attention_mask.sum(dim=1).view(per_item, count).amax(dim=0)  # an item's longest row
+    return [torch.tensor(sorted(b)) for b in token_budget_bins(lengths.tolist(), max_tokens, per_item)]
+
+
+def token_budget_bins(lengths: Sequence[int], max_tokens: int, rows_per_item: int = 1) -> list[list[int]]:
+    """Indices of items of these lengths binned for padded passes: longest first (ties in order), a
+    bin filled while (its rows) x (its longest row) <= max_tokens; an item longer than the budget
+    goes alone. The one rule for learner micro-batches (`micro_batch_items`) and reward-model
+    batches (rlhf.reward_model.reward_batches)."""
     bins: list[list[int]] = []
     longest = 0
-    for item in torch.argsort(lengths, descending=True, stable=True).tolist():
-        if not bins or (len(bins[-1]) + 1) * per_item * longest > max_tokens:
+    for item in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        if not bins or (len(bins[-1]) + 1) * rows_per_item * longest > max_tokens:
             bins.append([])
-            longest = int(lengths[item])
+            longest = lengths[item]
         bins[-1].append(item)
-    return [torch.tensor(sorted(b)) for b in bins]
+    return bins
 
 
 def micro_batches(batch: Batch, size: int, max_tokens: int = 0) -> list[tuple[torch.Tensor, Batch]]:
