@@ -8,25 +8,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.types import TrainBatch
 from tests.gpu.suite import resume_from, same_step, train
+from tests.support.learners import ragged_batch
 
 pytestmark = pytest.mark.gpu
 
 
 def _batch(vocab: int) -> TrainBatch:
-    g = torch.Generator().manual_seed(0)
-    lengths, prompt = [133, 57, 258, 19, 140, 95, 201, 64], 12
-    t = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), t), generator=g)
-    attn = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
-    ids[~attn] = 0
-    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=attn & (torch.arange(t)[None, :] >= prompt),
-                      advantages=torch.randn(len(lengths), generator=g))
+    return ragged_batch([133, 57, 258, 19, 140, 95, 201, 64], vocab=vocab, prompt=12)
 
 
 def _step(model_path: str, learner_cfg: LearnerConfig, batch: TrainBatch):

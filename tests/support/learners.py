@@ -14,8 +14,13 @@ from rlhf.types import PreferenceBatch, TrainBatch
 
 def make_batch(vocab: int, seed: int = 0) -> TrainBatch:
     """5 rows (uneven over 2 ranks, 3 micro-batches on rank 0), ragged lengths, right padding."""
+    return ragged_batch([9, 7, 12, 5, 10], vocab=vocab, prompt=3, seed=seed)
+
+
+def ragged_batch(lengths: list[int], *, vocab: int, prompt: int, seed: int = 0) -> TrainBatch:
+    """Right-padded rows of these lengths, random tokens, the first `prompt` columns unscored, random
+    advantages (seeded)."""
     g = torch.Generator().manual_seed(seed)
-    lengths, prompt = [9, 7, 12, 5, 10], 3
     t = max(lengths)
     ids = torch.randint(3, vocab, (len(lengths), t), generator=g)
     attn = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]

@@ -9,16 +9,11 @@ import torch
 from rlhf.algo.objectives import DPOObjective, GRPOObjective
 from rlhf.data.batching import micro_batch_items, micro_batches, pairs_to_batch
 from rlhf.types import PreferencePair, TrainBatch
+from tests.support.learners import ragged_batch
 
 
 def _rows(lengths: list[int], vocab: int = 100, prompt: int = 2, seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    t = max(lengths)
-    ids = torch.randint(3, vocab, (len(lengths), t), generator=g)
-    attn = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
-    ids[~attn] = 0
-    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=attn & (torch.arange(t)[None, :] >= prompt),
-                      advantages=torch.randn(len(lengths), generator=g))
+    return ragged_batch(lengths, vocab=vocab, prompt=prompt, seed=seed)
 
 
 def test_token_budget_bins_hand_computed():
