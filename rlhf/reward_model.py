@@ -116,7 +116,10 @@ class RewardModel:
         try:
             for batch in reward_batches([len(x) for x in ids], self.batch_size, self.max_tokens):
                 enc = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt")
-                logits = self.model(**{k: v.to(self.device) for k, v in enc.items()}).logits[:, 0]
+                # use_cache=False: a scoring pass needs no KV cache, which would hold every layer's keys
+                # and values at once (on SmolLM2, 2.6x the activations the planner counts).
+                inputs = {k: v.to(self.device) for k, v in enc.items()}
+                logits = self.model(**inputs, use_cache=False).logits[:, 0]
                 for i, value in zip(batch, logits.float().tolist()):
                     scores[i] = value
         finally:

@@ -203,15 +203,17 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
                      asleep * g, contexts * g, margin * g, need * g, tokens, scoring * g, kept * g)
 
 
-RM_ACT_HIDDEN, RM_ACT_MLP = 4, 4  # a reward model's live activations per token of one layer: 4h + 4f
+RM_ACT_HIDDEN, RM_ACT_MLP = 4, 3  # a reward model's live activations per token of one layer: 4h + 3f
+RM_WORKSPACE_GIB = 1 / 32  # cuBLAS's workspace (32 MiB on Hopper), allocated by the reward worker's first matmul
 
 
 def reward_memory(cfg: RunConfig, gpu_bytes: float) -> tuple[float, float]:
     """(bytes while scoring, bytes kept while the learner trains) of the reward worker's device share,
     0 without one: each `{model: ...}` entry's bf16 weights (its LM head replaced by a one-output
-    score head) plus the activations of one batch, forward only, one layer's at a time (4h + 4f per
-    token) and the padded attention mask (rows x longest row x longest row); a `judge_model` entry's
-    engine takes `judge_memory_utilization` of the GPU throughout (it never sleeps)."""
+    score head) plus the activations of one batch, forward only and without a KV cache, one layer's at
+    a time (4h + 3f per token: the residual, the fp32 RMSNorm, three of the MLP's f-wide tensors) and
+    the padded attention mask (rows x longest row x longest row), and cuBLAS's workspace; a
+    `judge_model` entry's engine takes `judge_memory_utilization` of the GPU throughout (it never sleeps)."""
     if not device_share(cfg.reward):
         return 0.0, 0.0
     row = row_tokens(cfg) + RM_TEMPLATE_TOKENS
@@ -227,7 +229,8 @@ def reward_memory(cfg: RunConfig, gpu_bytes: float) -> tuple[float, float]:
             activations = max(activations, 2 * tokens * per_token)
         if f.judge_model:
             engines += f.judge_memory_utilization * gpu_bytes
-    return weights + activations + engines, engines
+    workspace = RM_WORKSPACE_GIB * GIB if weights else 0.0
+    return weights + activations + workspace + engines, engines
 
 
 RM_TEMPLATE_TOKENS = 16  # the reward model's chat template around prompt and response (Qwen2's: 13)

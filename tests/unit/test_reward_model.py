@@ -48,6 +48,16 @@ def test_the_scorer_equals_hf_on_the_same_text(rm_path):
     assert len(set(round(v, 6) for v in got)) == 3  # the texts differ, so do the scores
 
 
+
+def test_scoring_builds_no_kv_cache(rm_path):
+    """A scoring pass is one forward: HF's default KV cache would hold every layer's keys and values at
+    once (on SmolLM2 2.6x the activations the memory planner counts for the served reward model)."""
+    rm = RewardModel(str(rm_path), batch_size=2)
+    outputs = []
+    rm.model.register_forward_hook(lambda module, args, out: outputs.append(out))
+    rm.score(ROWS, RESPONSES)
+    assert len(outputs) == 2 and all(getattr(o, "past_key_values", None) is None for o in outputs)
+
 def test_weighted_mixing_with_a_function(rm_path):
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("tiny-qwen2", rm_path.parent / "policy"))
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in RESPONSES]

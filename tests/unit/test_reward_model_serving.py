@@ -211,7 +211,7 @@ def test_the_reward_worker_takes_a_share_like_the_engines(rm_path):
 
 
 def test_the_planner_counts_the_reward_model(rm_path):
-    from rlhf.planner.memory import GIB, describe, make_plan, reward_memory
+    from rlhf.planner.memory import GIB, RM_WORKSPACE_GIB, describe, make_plan, reward_memory
     from rlhf.planner.shapes import gpu_kind, model_shape
 
     base = ["model.dtype=bfloat16", f"reward.functions=[{{model: {rm_path}, batch_size: 4}}]"]
@@ -223,7 +223,9 @@ def test_the_planner_counts_the_reward_model(rm_path):
     s = model_shape(str(rm_path))  # tiny-qwen2 with a one-output head instead of its untied LM head
     weights = 2 * (s.params() - s.vocab_size * s.hidden_size + s.hidden_size)
     row = 256 + 64 + 16  # data.max_prompt_tokens + generation.max_new_tokens + the chat template's
-    assert scoring == pytest.approx(weights + 2 * 2048 * (4 * s.hidden_size + 4 * s.intermediate_size + row))
+    workspace = RM_WORKSPACE_GIB * GIB  # cuBLAS's
+    assert scoring == pytest.approx(weights + 2 * 2048 * (4 * s.hidden_size + 3 * s.intermediate_size + row)
+                                    + workspace)
     assert kept == 0.0  # colocated: offloaded while the learner trains
     shape = model_shape("tiny-qwen2")
     from rlhf.planner.memory import breakdown
@@ -234,7 +236,7 @@ def test_the_planner_counts_the_reward_model(rm_path):
     assert "reward worker scoring" in describe(make_plan(served, shape, h100))
     budgetless = dataclasses.replace(served, reward=dataclasses.replace(served.reward, max_tokens_per_batch=0))
     assert reward_memory(budgetless, 0)[0] == pytest.approx(weights + 2 * 4 * row * (
-        4 * s.hidden_size + 4 * s.intermediate_size + row))  # batch_size rows of the longest row
+        4 * s.hidden_size + 3 * s.intermediate_size + row) + workspace)  # batch_size rows of the longest row
     judge = load_config(None, [f"reward.functions=[{{judge: score_0_10, judge_model: {rm_path}, "
                                "judge_memory_utilization: 0.25}]"])
     assert reward_memory(judge, 80 * GIB) == (20 * GIB, 20 * GIB)  # an engine never sleeps
