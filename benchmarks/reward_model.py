@@ -52,7 +52,9 @@ def samples(n: int, response_tokens: int, tokenizer, seed: int = 0):
     from rlhf.types import PromptRow
 
     rng = random.Random(seed)
-    words = [w for w in tokenizer.get_vocab() if w.isalpha() and 2 < len(w) < 8][:2000] or ["number"]
+    # sorted: a fast tokenizer's vocabulary comes back in a different order in every process
+    words = [w for w in sorted(tokenizer.get_vocab()) if w.isalpha() and 2 < len(w) < 8][:2000]
+    words = words or ["number"]
     rows = [PromptRow(prompt=f"Calculate {rng.randint(1, 99)} + {rng.randint(1, 99)}.", answer="0")
             for _ in range(n)]
     responses = [" ".join(rng.choice(words) for _ in range(rng.randint(response_tokens // 2, response_tokens)))

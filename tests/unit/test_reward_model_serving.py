@@ -6,6 +6,8 @@ layout and its memory in the planner."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from rlhf.data.tiny_models import build_tiny_model
 from rlhf.reward_model import Judge, RewardModel, reward_batches
 from rlhf.scoring import PoolScorer
 from rlhf.types import Completion, PromptRow
+
+ROOT = Path(__file__).resolve().parents[2]
 
 ROWS = [PromptRow(prompt="What is 2 + 3?", answer="5"),
         PromptRow(prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}],
@@ -240,3 +244,14 @@ def test_the_planner_counts_the_reward_model(rm_path):
     judge = load_config(None, [f"reward.functions=[{{judge: score_0_10, judge_model: {rm_path}, "
                                "judge_memory_utilization: 0.25}]"])
     assert reward_memory(judge, 80 * GIB) == (20 * GIB, 20 * GIB)  # an engine never sleeps
+
+
+def test_the_benchmark_samples_are_the_same_in_every_process(rm_path):
+    """benchmarks/reward_model.py's samples (the GPU test's too) come out alike in two processes: a
+    fast tokenizer returns its vocabulary in a per-process order, so the words are sorted first."""
+    code = ("import sys; from transformers import AutoTokenizer; from benchmarks.reward_model import samples; "
+            f"rows, responses = samples(4, 16, AutoTokenizer.from_pretrained({str(rm_path)!r})); "
+            "print(repr([r.prompt for r in rows] + responses))")
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)]
+    assert runs[0] == runs[1] and "Calculate" in runs[0]
