@@ -223,10 +223,11 @@ class DPOConfig:
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run all epochs)."""
     dataset: str = "arithmetic_pairs"
-    """Preference pairs: a built-in set (`arithmetic_pairs`, `countdown_pairs`: a correct worked answer
-    against a wrong one, built offline from the task generators; `hhh_alignment`: BIG-bench's pairs),
-    `jsonl:<path>` / `parquet:<path>`, or `hf:<dataset>[:<split>]`. Rows hold `prompt`, `chosen`,
-    `rejected` as text or chat messages (UltraFeedback-binarized and HH-RLHF layouts are detected)."""
+    """Preference pairs: a built-in set (`arithmetic_pairs`, `countdown_pairs`, `gsm_symbolic_pairs`: a
+    correct worked answer against a wrong one, built offline from the task generators; `hhh_alignment`:
+    BIG-bench's pairs), `jsonl:<path>` / `parquet:<path>`, or `hf:<dataset>[:<split>]`. Rows hold
+    `prompt`, `chosen`, `rejected` as text or chat messages (UltraFeedback-binarized and HH-RLHF layouts
+    are detected)."""
     num_train: int = 512
     """Training pairs: generated for built-in task sets, the first N rows otherwise (0: all rows)."""
     num_eval: int = 64

@@ -3,12 +3,13 @@
     data = load_preference_data(cfg, tokenizer)     # data.train, data.eval: list[PreferencePair]
     print(data.stats)                               # rows read, kept, truncated, dropped, skipped
 
-Sources (`dpo.dataset`): `arithmetic_pairs` and `countdown_pairs` (built offline from those tasks:
-a correct answer against the same with a wrong result or operator), `hhh_alignment` (BIG-bench's
-helpful/honest/harmless pairs, `python -m scripts.assets fetch hhh-alignment`), and
-`jsonl:<path>`, `parquet:<path>`, `hf:<dataset>[:<split>]`. Row layouts, detected per row: plain
-(`prompt`, `chosen`, `rejected`), messages (`chosen`/`rejected` are chat conversations,
-UltraFeedback-binarized) and hh-rlhf ("\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts).
+Sources (`dpo.dataset`): `arithmetic_pairs`, `countdown_pairs` and `gsm_symbolic_pairs` (built
+offline from those tasks: a correct answer against the same with a wrong result or operator, or
+stopped a step early), `hhh_alignment` (BIG-bench's helpful/honest/harmless pairs, `python -m
+scripts.assets fetch hhh-alignment`), and `jsonl:<path>`, `parquet:<path>`,
+`hf:<dataset>[:<split>]`. Row layouts, detected per row: plain (`prompt`, `chosen`, `rejected`),
+messages (`chosen`/`rejected` are chat conversations, UltraFeedback-binarized) and hh-rlhf
+("\\n\\nHuman: ...\\n\\nAssistant: ..." transcripts).
 docs/design/data.md has both in full.
 
 Decisions (docs/design/data.md, "Preference pairs"):
@@ -197,6 +198,26 @@ def countdown_pairs(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
     return records
 
 
+_NUMBER = re.compile(r"(?<![\d.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\d.,]\d)")
+
+
+def gsm_symbolic_pairs(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
+    """Chosen: the problem's worked solution, ending `#### N`; rejected: the same solution stopped one
+    step early, giving the result of the step before the last (an intermediate quantity) as the answer."""
+    records = []
+    for row in _task_rows(cfg, "gsm_symbolic", split):
+        solution = str(row.meta.get("answer_cot", "")).strip()
+        steps, sep, final = solution.rpartition("\n#### ")
+        before = steps.split("\n")[:-1]
+        numbers = _NUMBER.findall(before[-1]) if before else []
+        early = numbers[-1].replace(",", "") if numbers else None
+        if not sep or early is None or re.sub(r"\.0+$", "", early) == re.sub(r"\.0+$", "", final):
+            continue
+        records.append({"prompt": _row_messages(row), "chosen": solution,
+                        "rejected": "\n".join([*before, f"#### {early}"])})
+    return records
+
+
 def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
     """BIG-bench hhh_alignment, converted by `scripts.assets` to prompt/chosen/rejected JSONL."""
     from rlhf.data.assets import data_file, is_fetched
@@ -212,6 +233,7 @@ def hhh_alignment(cfg: RunConfig, split: str) -> list[dict[str, Any]]:
 BUILTIN: dict[str, Callable[[RunConfig, str], list[dict[str, Any]]]] = {
     "arithmetic_pairs": arithmetic_pairs,
     "countdown_pairs": countdown_pairs,
+    "gsm_symbolic_pairs": gsm_symbolic_pairs,
     "hhh_alignment": hhh_alignment,
 }
 

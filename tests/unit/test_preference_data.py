@@ -162,6 +162,31 @@ def test_countdown_pairs_rejected_misses_the_target(tokenizer):
         assert countdown("", rec["rejected"], numbers=row.meta["numbers"], target=row.meta["target"]) == 0.0
 
 
+def test_gsm_symbolic_pairs_rejected_stops_a_step_early(tokenizer):
+    from rewards.tasks import gsm_symbolic
+    from rlhf.config import DataConfig
+    from rlhf.data.preferences import gsm_symbolic_pairs
+    from rlhf.data.prompts import load_prompts
+
+    cfg = cfg_for("gsm_symbolic_pairs", "dpo.num_train=16", "dpo.num_eval=4")
+    records = gsm_symbolic_pairs(cfg, "train")
+    assert len(records) >= 12
+    rows = load_prompts(DataConfig(task="gsm_symbolic", num_train=16, num_eval=4), "train")
+    answers = {r.prompt: r.answer for r in rows}
+    for rec in records:
+        answer = answers[rec["prompt"][0]["content"]]
+        chosen_steps, rejected_steps = rec["chosen"].split("\n"), rec["rejected"].split("\n")
+        assert chosen_steps[-1] == f"#### {answer}" or float(chosen_steps[-1][5:]) == float(answer)
+        assert rejected_steps[:-1] == chosen_steps[:-2]  # the solution less its last step
+        early = rejected_steps[-1].removeprefix("#### ")
+        assert early.replace(",", "") in chosen_steps[-3].replace(",", "")  # the step before the last's result
+        assert gsm_symbolic("", rec["chosen"], answer=answer) == 1.0
+        assert gsm_symbolic("", rec["rejected"], answer=answer) == 0.0
+    data = load_preference_data(cfg, tokenizer)
+    train_prompts = {tuple(p.prompt_ids) for p in data.train}
+    assert data.eval and not any(tuple(p.prompt_ids) in train_prompts for p in data.eval)  # disjoint splits
+
+
 def test_local_files_in_every_layout_and_parquet(tokenizer, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
