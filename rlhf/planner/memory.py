@@ -204,7 +204,7 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
 
 
 RM_ACT_HIDDEN, RM_ACT_MLP = 4, 3  # a reward model's live activations per token of one layer: 4h + 3f
-RM_WORKSPACE_GIB = 1 / 32  # cuBLAS's workspace (32 MiB on Hopper), allocated by the reward worker's first matmul
+RM_WORKSPACE_GIB = 1 / 32  # cuBLAS's workspace (32 MiB on Hopper), taken by the reward worker's first matmul
 
 
 def reward_memory(cfg: RunConfig, gpu_bytes: float) -> tuple[float, float]:

@@ -413,3 +413,18 @@ def test_profiled_kernels_are_grouped_by_kind():
     assert out["kinds_s"] == {"matmul": 4.0, "optimizer": 2.0, "copy/cast": 1.5, "attention": 1.0,
                               "collective": 0.5, "reduction/softmax": 0.75, "triton": 0.25}
     assert out["kernel_s"] == 10.0 and out["idle_s"] == 2.0 and out["kinds_share"]["matmul"] == 0.4
+
+
+def test_random_models_find_the_tokenizer_through_its_variable(tmp_path):
+    """$TOKENIZER reaches every builder of the random models: benchmarks/gpu.sh's own and the one
+    benchmarks/run.py runs under --workdir (which once looked only in .gpubundle/ and stopped the run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "from benchmarks.models import DEFAULT_TOKENIZER; print(DEFAULT_TOKENIZER)"
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "TOKENIZER": str(tmp_path / "qwen2")})
+    assert run.stdout.strip() == str(tmp_path / "qwen2")
