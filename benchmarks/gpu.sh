@@ -14,7 +14,7 @@
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH,
 # as .gpubundle/meta/install_and_run.sh sets it up). The random-weight Qwen2.5-1.5B is built once under
-# outputs/bench/models/ next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+# <--workdir>/models/ next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" - <<'PY'
 import torch, vllm, trl, accelerate, ray, transformers
@@ -23,7 +23,4 @@ names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
 print(f"[gpu.sh] {len(names)} GPU(s): {', '.join(names)} | torch {torch.__version__} vllm {vllm.__version__} "
       f"trl {trl.__version__} transformers {transformers.__version__} ray {ray.__version__}", flush=True)
 PY
-if [[ " $* " != *" --combine "* ]]; then
-  "$PY" benchmarks/models.py random:qwen2.5-1.5b --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}"
-fi
 exec "$PY" benchmarks/run.py --workload grpo-gpu "$@"

@@ -9,9 +9,8 @@
 #   bash benchmarks/gpu_scale.sh --results "$OUT"            # JSON lines (and the plot) somewhere else
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
-# The random-weight Qwen2.5-1.5B is built once under outputs/bench/models/ next to the Qwen2 tokenizer from
+# The random-weight Qwen2.5-1.5B is built once under <--workdir>/models/ next to the Qwen2 tokenizer from
 # $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 check_gpus gpu_scale.sh  # each layout's local Ray inherits its NCCL settings
-"$PY" benchmarks/models.py random:qwen2.5-1.5b --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}"
 exec "$PY" benchmarks/scale.py "$@"

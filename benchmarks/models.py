@@ -5,8 +5,9 @@
 `random:qwen2.5-1.5b` is Qwen2.5-1.5B's architecture (28 layers, hidden 1536, GQA 12/2 heads,
 vocab 151,936, tied embeddings) with seeded random bf16 weights, next to the Qwen2 tokenizer
 (the folder or .tar.xz given by --tokenizer; default: $TOKENIZER, else the copy the GPU bundle
-ships, .gpubundle/meta/tok.tar.xz: benchmarks/run.py builds its own copy under --workdir with it). The vocabulary must be the real one: random weights sample any of
-the 151,936 ids, and every sampled id has to decode. Built once, reused (a stamp file).
+ships, .gpubundle/meta/tok.tar.xz; benchmarks/run.py and scale.py build under --workdir with it). The
+vocabulary must be the real one: random weights sample any of the 151,936 ids, and every sampled id
+has to decode. Built once, reused (a stamp file).
 `random:qwen2.5-0.5b` and `random:qwen2.5-7b` are the same for Qwen2.5-0.5B (24 layers, hidden
 896, 14/2 heads, tied) and Qwen2.5-7B (28 layers, hidden 3584, 28/4 heads, untied, vocab 152,064);
 the memory planner reads their shapes from the config.json written here, the same numbers as its

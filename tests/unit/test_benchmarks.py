@@ -416,8 +416,8 @@ def test_profiled_kernels_are_grouped_by_kind():
 
 
 def test_random_models_find_the_tokenizer_through_its_variable(tmp_path):
-    """$TOKENIZER reaches every builder of the random models: benchmarks/gpu.sh's own and the one
-    benchmarks/run.py runs under --workdir (which once looked only in .gpubundle/ and stopped the run)."""
+    """$TOKENIZER reaches the builder of the random models that benchmarks/run.py and scale.py run under
+    --workdir (it once looked only in .gpubundle/ and stopped the run)."""
     import os
     import subprocess
     import sys
