@@ -1,14 +1,17 @@
-"""A PNG of a run's metrics.jsonl: GRPO (reward, loss/KL, lengths, phase times) or DPO (preference
-accuracy on train and held-out pairs, losses, implicit rewards, phase times), told apart by the keys."""
+"""A PNG of a run's metrics.jsonl: GRPO (reward, held-out pass@1, loss/KL, lengths, phase times) or DPO
+(preference accuracy on train and held-out pairs, losses, implicit rewards, phase times), told apart by
+the keys."""
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
 
 from rlhf.run.metrics import read_metrics
 
 PANELS = (
-    ("reward", ("reward/mean", "eval/pass@1")),
+    ("reward", ("reward/mean", "eval/*/pass@1")),  # held-out pass@1 is logged per task
     ("loss / kl / clip", ("loss", "kl", "clip_frac")),
     ("response length", ("response_len/mean",)),
     ("seconds per phase", ("timing/generate_s", "timing/reward_s", "timing/train_s", "timing/sync_s")),
@@ -33,10 +36,8 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None, *
     panels = DPO_PANELS if any("rewards/margin" in r for r in records) else PANELS
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for ax, (name, keys) in zip(axes.flat, panels):
-        for key in keys:
-            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-            if pts:
-                ax.plot(*zip(*pts), label=key, marker="." if len(pts) < 40 else None)
+        for key, pts in panel_series(records, keys).items():
+            ax.plot(*zip(*pts), label=key, marker="." if len(pts) < 40 else None)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -46,3 +47,17 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path | None = None, *
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def panel_series(records: list[dict[str, Any]], patterns: tuple[str, ...]
+                 ) -> dict[str, list[tuple[int, float]]]:
+    """Metric -> [(step, value)] for every metric the records hold that matches one of `patterns`
+    (fnmatch, e.g. `eval/*/pass@1`), in the patterns' order; metrics with no value are left out."""
+    present = list(dict.fromkeys(k for r in records for k in r))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for pattern in patterns:
+        for key in (k for k in present if fnmatchcase(k, pattern) and k not in series):
+            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if pts:
+                series[key] = pts
+    return series

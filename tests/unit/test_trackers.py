@@ -165,3 +165,19 @@ def _wandb_records(path: str, record_type):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+def test_the_run_plot_shows_held_out_pass_at_1_of_every_task(tmp_path):
+    """GRPO logs held-out pass@1 per task (`eval/<task>/pass@1`, rlhf.evaluate); the reward panel of
+    rlhf.run.plots draws each of them beside the training reward, and only at the steps that hold it."""
+    from rlhf.run.plots import PANELS, panel_series, plot_metrics
+
+    records = [{"step": 0, "reward/mean": 0.1, "eval/gsm8k/pass@1": 0.25, "eval/gsm8k/pass@4": 0.5},
+               {"step": 1, "reward/mean": 0.3},
+               {"step": 2, "reward/mean": 0.4, "eval/gsm8k/pass@1": 0.5, "eval/math/pass@1": 0.125}]
+    series = panel_series(records, dict(PANELS)["reward"])
+    assert series == {"reward/mean": [(0, 0.1), (1, 0.3), (2, 0.4)],
+                      "eval/gsm8k/pass@1": [(0, 0.25), (2, 0.5)], "eval/math/pass@1": [(2, 0.125)]}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_metrics(path).stat().st_size > 0
