@@ -353,6 +353,15 @@ def git_info() -> dict[str, Any]:
 # Main
 
 
+def side_master_port(env: dict[str, str], gpus: list[str]) -> dict[str, str]:
+    """torch.distributed's rendezvous port for a side pinned to `gpus`: TRL's process group binds
+    MASTER_PORT (29500 unless set), so two TRL sides at once on one host collide; each side gets
+    29500 + 10 x its first GPU's index. Unpinned sides and a MASTER_PORT the caller set are left alone."""
+    if not gpus or "MASTER_PORT" in env:
+        return {}
+    return {"MASTER_PORT": str(29500 + 10 * int(gpus[0]))}
+
+
 def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,
              workdir: Path, env: dict[str, str]) -> dict[str, Any]:
     """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own."""
@@ -361,7 +370,7 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
     sw, overrides = side_plan(w, side, str(side_dir / "run"), model_path)
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
     env = {**env, "RAY_TMPDIR": tempfile.mkdtemp(prefix="s", dir=env["RAY_TMPDIR"]),  # short: Ray's socket paths
-           **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})}
+           **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}), **side_master_port(env, gpus)}
     print(f"[bench] {side}: running{' on GPU ' + ','.join(gpus) if gpus else ''} (log: {side_dir / 'log.txt'})",
           flush=True)
     timeout, eos = args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []

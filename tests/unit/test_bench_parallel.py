@@ -234,3 +234,12 @@ def test_record_and_tables_of_a_concurrent_run_with_the_tuned_row():
     assert "| peak GPU memory GiB, nvidia-smi, busiest GPU of the side (lower is better) | 60 | 60 | 1 |" in lines
     assert lines[-1] == ("sides ran at the same time, each on its own GPUs: ours on GPU 0, trl-vllm on GPU 1 | "
                          "then ours-tuned on GPU 0, trl-vllm-tuned on GPU 1")
+
+
+def test_sides_at_once_get_their_own_rendezvous_port():
+    """Two TRL sides at once on one host both bound torch.distributed's default 29500 (EADDRINUSE on
+    the H100 host): a side pinned to GPUs gets a port of its own; the caller's MASTER_PORT wins."""
+    ports = {g: run.side_master_port({}, [g, "9"])["MASTER_PORT"] for g in "0123"}
+    assert ports == {"0": "29500", "1": "29510", "2": "29520", "3": "29530"}
+    assert run.side_master_port({}, []) == {}
+    assert run.side_master_port({"MASTER_PORT": "1234"}, ["2"]) == {}
