@@ -17,7 +17,8 @@ Every side is its own process tree with its own local Ray (peak memory is per si
             largest per-device batch that fits, same samples per step (workloads.trl_batch_candidates)
 All of them resolve the same RunConfig from the workload (benchmarks/workloads.py). On a GPU
 workload each side is pinned to its own GPU(s) (CUDA_VISIBLE_DEVICES): in turn, or with
-`--parallel` on a host with two or more GPUs, as many at a time as have disjoint GPUs (`waves`).
+`--parallel` on a host with two or more GPUs, as many at a time as have disjoint GPUs (`waves`),
+each on its GPUs' share of the host's cores (`side_cpus`).
 
 Output: a markdown table (median steady-state step time and phases, tokens/s, weight sync, peak
 memory, reward per step, and ours/TRL for each), and one JSON line appended to
@@ -103,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", action="store_true",
                    help="GPU workload on a host with >= 2 GPUs: run sides at the same time, each on its own GPU(s) "
                         "(else in turn, said in one line)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="with --parallel: leave the sides on every host core (default: each on its GPUs' "
+                        "share of them)")
     p.add_argument("--tuned", action="store_true",
                    help=f"also the tuned row: ours{TUNED} (memory.plan=auto) and each TRL side at the largest "
                         "per-device batch that fits, same samples per step")
@@ -239,9 +243,11 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
     watched = visible_gpus(env) if env.get("CUDA_VISIBLE_DEVICES") is not None else None
     peak_mem, gpu_peaks, step0_start = 0.0, {}, None
     with log.open("w") as out:
-        out.write("$ " + shlex.join(cmd) + "\n")
+        cores = f"  # on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
+        out.write("$ " + shlex.join(cmd) + cores + "\n")
         out.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(pinned(cmd, env.get("BENCH_CPUS")), cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         _RUNNING.add(proc)
         try:
             while proc.poll() is None:
@@ -258,7 +264,7 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
     return {"returncode": proc.returncode, "wall_s": time.time() - t_launch, "peak_mem_gib": peak_mem,
             "peak_gpu_gib": max(gpu_peaks.values(), default=None), "peak_gpu_gib_per_gpu": gpu_peaks,
             "startup_s": None if step0_start is None else step0_start - t_launch,
-            "log": str(log), "command": shlex.join(cmd)}
+            "log": str(log), "command": shlex.join(cmd), "cpus": env.get("BENCH_CPUS")}
 
 
 def log_tail(path: str, lines: int = 15) -> str:
@@ -362,17 +368,63 @@ def side_master_port(env: dict[str, str], gpus: list[str]) -> dict[str, str]:
     return {"MASTER_PORT": str(29500 + 10 * int(gpus[0]))}
 
 
+def side_cpus(gpus: list[str], visible: list[str], cores: list[int]) -> list[int]:
+    """The host cores of a side that runs beside others: each visible GPU owns an equal block of
+    `cores` (64 cores and 4 GPUs: 16 each, what a one-GPU machine of that family has), a side the
+    blocks of its GPUs. Without pinning, one side's busy or spinning threads (OpenMP, compile
+    workers) slowed the others' host-bound decode by half on a 4-GPU host. [] = not pinned."""
+    if not gpus or len(visible) < 2 or len(cores) < len(visible):
+        return []
+    n, k = len(cores), len(visible)
+    return sorted(c for g in gpus for c in cores[visible.index(g) * n // k:(visible.index(g) + 1) * n // k])
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """`[0, 1, 2, 5]` -> "0-2,5" (taskset's notation)."""
+    spans: list[list[int]] = []
+    for c in sorted(cpus):
+        if spans and c == spans[-1][1] + 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def side_env(env: dict[str, str], gpus: list[str], *, pin: bool) -> dict[str, str]:
+    """`env` for a side on `gpus`: CUDA_VISIBLE_DEVICES, its own MASTER_PORT and, with `pin` (sides
+    running at the same time), BENCH_CPUS: the cores `launch` confines the side's process tree to."""
+    if not gpus:
+        return dict(env)
+    cpus = side_cpus(gpus, visible_gpus(env), sorted(os.sched_getaffinity(0))) if pin else []
+    return {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **side_master_port(env, gpus),
+            **({"BENCH_CPUS": cpu_list(cpus)} if cpus else {})}
+
+
+# Run argv[2:] confined to the cores argv[1] lists: the affinity is inherited by every process it
+# starts (Ray, vLLM, compile workers), and needs no `taskset` on the host.
+_PINNED = ("import os, sys; os.sched_setaffinity(0, {c for a, _, b in (p.partition('-') for p in "
+           "sys.argv[1].split(',')) for c in range(int(a), int(b or a) + 1)}); "
+           "os.execvp(sys.argv[2], sys.argv[2:])")
+
+
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """`cmd` run on the cores of `cpus` ("0-15,32"); `cmd` itself when None or empty."""
+    return [sys.executable, "-c", _PINNED, cpus, *cmd] if cpus else cmd
+
+
 def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,
-             workdir: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own."""
+             workdir: Path, env: dict[str, str], pin: bool = False) -> dict[str, Any]:
+    """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own;
+    with `pin`, on its GPUs' share of the host's cores (`side_cpus`)."""
     side_dir = workdir / w.name / side
     shutil.rmtree(side_dir, ignore_errors=True)
     sw, overrides = side_plan(w, side, str(side_dir / "run"), model_path)
     Path(env["RAY_TMPDIR"]).mkdir(parents=True, exist_ok=True)
-    env = {**env, "RAY_TMPDIR": tempfile.mkdtemp(prefix="s", dir=env["RAY_TMPDIR"]),  # short: Ray's socket paths
-           **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}), **side_master_port(env, gpus)}
-    print(f"[bench] {side}: running{' on GPU ' + ','.join(gpus) if gpus else ''} (log: {side_dir / 'log.txt'})",
-          flush=True)
+    env = {**side_env(env, gpus, pin=pin),
+           "RAY_TMPDIR": tempfile.mkdtemp(prefix="s", dir=env["RAY_TMPDIR"])}  # short: Ray's socket paths
+    where = (" on GPU " + ",".join(gpus) if gpus else "") + (
+        f", cores {env['BENCH_CPUS']}" if "BENCH_CPUS" in env else "")
+    print(f"[bench] {side}: running{where} (log: {side_dir / 'log.txt'})", flush=True)
     timeout, eos = args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []
     if side in ("ours", f"ours{TUNED}"):
         r = run_ours(sw, overrides, side_dir, env, timeout)
@@ -442,8 +494,9 @@ def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_
                                                  for wave in plan), flush=True)
     results: dict[str, dict[str, Any]] = {}
     for wave in plan:
-        results.update(run_wave(wave, lambda side, g: run_side(w, side, g, args, model_path=model_path,
-                                                                workdir=workdir, env=env)))
+        pin = len(wave) > 1 and not args.no_pin
+        results.update(run_wave(wave, lambda side, g, pin=pin: run_side(
+            w, side, g, args, model_path=model_path, workdir=workdir, env=env, pin=pin)))
     first = results[sides[0]].get("overrides") or []
     return results, first, {"concurrent": any(len(wave) > 1 for wave in plan), "waves": plan}
 

@@ -53,6 +53,7 @@ from benchmarks.run import (  # noqa: E402
     prepare_model,
     run_ours,
     run_wave,
+    side_env,
     step_prompt_tokens,
     versions,
     visible_gpus,
@@ -325,6 +326,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                   "workload's)")
     size.add_argument("--weak", type=int, metavar="P", help="P prompts per step per GPU (weak scaling)")
     p.add_argument("--in-turn", action="store_true", help="one layout at a time, even where GPUs are free")
+    p.add_argument("--no-pin", action="store_true",
+                   help="layouts at the same time keep every host core (default: each on its GPUs' share)")
     p.add_argument("--plot", help="PNG of samples/s against GPUs (default: <results>/<workload>.png)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the workload's)")
     p.add_argument("--model", help="a prebuilt model folder instead of building the workload's random model")
@@ -381,7 +384,8 @@ def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, m
     shutil.rmtree(side_dir, ignore_errors=True)
     overrides = [*our_overrides(w, output_dir=str(side_dir / "run"), model_path=model_path),
                  *layout_overrides(LAYOUTS[name], on_gpu=on_gpu, prompts=prompts)]
-    print(f"[scale] {name}: running (log: {side_dir / 'log.txt'})", flush=True)
+    cores = f" on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
+    print(f"[scale] {name}: running{cores} (log: {side_dir / 'log.txt'})", flush=True)
     run = run_ours(w, overrides, side_dir, env, timeout)
     run.update(side=name, overrides=overrides, cluster=run_cluster(side_dir, run["log"]),
                steps=layout_steps(run["metrics"], prompt_tokens, (prompts or w.prompts_per_step) * w.group_size))
@@ -436,14 +440,16 @@ def main(argv: list[str] | None = None) -> int:
         print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
                                                  for wave in schedule), flush=True)
 
-    def run(name: str, devices: list[str]) -> dict[str, Any]:
-        side_env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(devices)} if gpus else env
-        return run_layout(w, name, workdir / w.name / name, side_env, model_path=model_path, on_gpu=bool(gpus),
-                          prompt_tokens=prompt_tokens, timeout=args.side_timeout, prompts=prompts[name])
+    def run(name: str, devices: list[str], pin: bool) -> dict[str, Any]:
+        layout_env = side_env(env, devices, pin=pin) if gpus else env
+        return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
+                          on_gpu=bool(gpus), prompt_tokens=prompt_tokens, timeout=args.side_timeout,
+                          prompts=prompts[name])
 
     sides: dict[str, dict[str, Any]] = {}
     for wave in schedule:
-        sides.update(run_wave(wave, run))
+        pin = len(wave) > 1 and not args.no_pin
+        sides.update(run_wave(wave, lambda name, devices, pin=pin: run(name, devices, pin)))
     devices = {n: g for wave in schedule for n, g in wave.items()}
     record = build_scale_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -34,6 +34,7 @@ GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
     ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
     ("gpus", "GPUs (nvidia-smi index)", ""),
+    ("cpus", "host cores (pinned beside other sides)", ""),
     ("micro_batch", "learner micro-batch", ""),
     ("response_len_mean", "mean completion tokens", ""),
     ("reward_mean", "mean reward, all steps", "higher"),
@@ -45,6 +46,7 @@ DPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
     ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
     ("gpus", "GPUs (nvidia-smi index)", ""),
+    ("cpus", "host cores (pinned beside other sides)", ""),
     ("micro_batch", "learner micro-batch", ""),
     ("loss_last", "loss, last step", "lower"),
     ("accuracy_mean", "reward accuracy, mean of all steps", "higher"),
@@ -156,7 +158,7 @@ def micro_batch_text(side: dict[str, Any]) -> str | None:
 
 def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
     """Table values of one side record (`steps`, `startup_s`, `peak_mem_gib`, `peak_gpu_gib`,
-    `gpus`, and `micro_batch_text`'s keys)."""
+    `gpus`, `cpus`, and `micro_batch_text`'s keys)."""
     steps = side.get("steps") or []
     timed = steady(steps)
     out: dict[str, Any] = {
@@ -164,6 +166,7 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
         "peak_mem_gib": side.get("peak_mem_gib"),
         "peak_gpu_gib": side.get("peak_gpu_gib"),
         "gpus": ",".join(side.get("gpus") or []) or None,
+        "cpus": side.get("cpus"),
         "micro_batch": micro_batch_text(side),
         "steps": len(steps),
         "step_s": _median([s["step_s"] for s in timed]),
