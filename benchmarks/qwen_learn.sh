@@ -69,8 +69,11 @@ info = {"task": task, "recipe": recipe, "overrides": overrides, "cuda_visible_de
         "started": time.time()}
 open(path, "w").write(json.dumps(info) + "\n")
 PY
+  # on its GPUs' share of the host's cores (benchmarks/pin.py): runs side by side each get what a
+  # one-GPU machine has, and one run's busy threads do not slow another's host-bound decode
   CUDA_VISIBLE_DEVICES=$gpus RAY_TMPDIR=/tmp/ray_ql_$task \
-    setsid nohup bash benchmarks/qwen_learn.sh _job "$task" "$recipe" "$@" > "$dir/log.txt" 2>&1 < /dev/null &
+    setsid nohup "$PY" -m benchmarks.pin "$gpus" -- \
+    bash benchmarks/qwen_learn.sh _job "$task" "$recipe" "$@" > "$dir/log.txt" 2>&1 < /dev/null &
   echo $! > "$dir/pid"
   echo "[qwen_learn] $task started on GPU $gpus (pid $!): $recipe, log $dir/log.txt"
 }

@@ -1,0 +1,38 @@
+"""Run a command on its GPUs' share of the host's cores, as benchmark sides that run at once do
+(`benchmarks.run.side_cpus`: each GPU of the host owns an equal block of its cores):
+
+    python -m benchmarks.pin 0 -- bash benchmarks/qwen_learn.sh _job gsm ...
+
+The GPUs are this host's nvidia-smi indices; CUDA_VISIBLE_DEVICES is not read, since a job's own
+setting hides the other GPUs. Without GPUs, or given every GPU of the host, the command keeps every
+core. The command replaces this process (same pid), and every process it starts inherits the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from benchmarks.run import cpu_list, gpu_query, side_cpus
+
+
+def cores_for(gpus: list[str]) -> list[int]:
+    """The cores of `gpus` among this host's GPUs; [] = every core (no GPUs, or one of them)."""
+    host, cores = sorted(gpu_query("memory.total"), key=int), sorted(os.sched_getaffinity(0))
+    cpus = side_cpus([g for g in gpus if g in host], host, cores)
+    return [] if cpus == cores else cpus
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[1] != "--":
+        raise SystemExit("usage: python -m benchmarks.pin GPUS -- COMMAND [ARGS...]  (GPUS: e.g. 0 or 0,1)")
+    gpus = [g.strip() for g in argv[0].split(",") if g.strip()]
+    cpus = cores_for(gpus)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        print(f"[pin] GPU {','.join(gpus)}: cores {cpu_list(cpus)}", flush=True)
+    os.execvp(argv[2], argv[2:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
