@@ -301,3 +301,27 @@ def test_only_sides_that_run_at_once_are_pinned(monkeypatch, tmp_path, parallel,
     run.run_sides(WORKLOADS["grpo-gpu"], ["ours", "trl-vllm"], _args(parallel=parallel, no_pin=no_pin),
                   model_path=str(tmp_path / "model"), workdir=tmp_path, env={})
     assert calls == {"ours": pinned, "trl-vllm": pinned}
+
+
+def test_a_tuned_trl_side_out_of_memory_above_the_workloads_batch_is_the_untuned_run():
+    """TRL at 32 per device ran out of memory beside TRL at 16 (the workload's own): 16 is the largest
+    that fits, and its run already exists, so the tuned row shows it instead of a failure."""
+    w = WORKLOADS["grpo-gpu"]
+    oom = {"side": "trl-vllm-tuned", "ok": False, "error": "torch.OutOfMemoryError: CUDA out of memory",
+           "tries": [{"per_device_batch": 32, "ok": False, "oom": True, "wall_s": 150.0}]}
+    untuned = {"side": "trl-vllm", "ok": True, "steps": [{"step": 0}], "gpus": ["1"]}
+    results, notes = run.tuned_from_untuned({"trl-vllm": untuned, "trl-vllm-tuned": oom}, w)
+    tuned = results["trl-vllm-tuned"]
+    assert tuned["ok"] and tuned["steps"] == untuned["steps"] and tuned["side"] == "trl-vllm-tuned"
+    assert tuned["per_device_batch"] == 16 and tuned["tries"][-1] == {
+        "per_device_batch": 16, "ok": True, "oom": False, "reused": "trl-vllm"}
+    assert notes == [("trl-vllm-tuned: per-device batch 32 ran out of memory; 16 is the largest that fits, "
+                      "and its run is trl-vllm's")]
+    assert results["trl-vllm"] is untuned
+    no_oom = {**oom, "tries": [{"per_device_batch": 32, "ok": False, "oom": False, "wall_s": 76.0}]}
+    below = {**oom, "tries": [{"per_device_batch": 8, "ok": False, "oom": True, "wall_s": 9.0}]}  # under 16
+    for other in (no_oom, below):
+        assert run.tuned_from_untuned({"trl-vllm": untuned, "trl-vllm-tuned": other}, w) == (
+            {"trl-vllm": untuned, "trl-vllm-tuned": other}, [])
+    failed_base = {**untuned, "ok": False}
+    assert run.tuned_from_untuned({"trl-vllm": failed_base, "trl-vllm-tuned": oom}, w)[1] == []
