@@ -2,6 +2,7 @@
 (`benchmarks.run.side_cpus`: each GPU of the host owns an equal block of its cores):
 
     python -m benchmarks.pin 0 -- bash benchmarks/qwen_learn.sh _job gsm ...
+    python -m benchmarks.pin --cores 0-15 -- COMMAND ...   # cores named (what benchmarks.run.pinned runs)
 
 The GPUs are this host's nvidia-smi indices; CUDA_VISIBLE_DEVICES is not read, since a job's own
 setting hides the other GPUs. Without GPUs, or given every GPU of the host, the command keeps every
@@ -13,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from benchmarks.run import cpu_list, gpu_query, side_cpus
+from benchmarks.run import cpu_list, gpu_query, parse_cpu_list, side_cpus
 
 
 def cores_for(gpus: list[str]) -> list[int]:
@@ -24,13 +25,20 @@ def cores_for(gpus: list[str]) -> list[int]:
 
 
 def main(argv: list[str]) -> None:
+    usage = "usage: python -m benchmarks.pin {GPUS | --cores LIST} -- COMMAND [ARGS...]  (GPUS: 0,1; LIST: 0-15)"
+    named = argv[:1] == ["--cores"]
+    if named:
+        argv = argv[1:]
     if len(argv) < 3 or argv[1] != "--":
-        raise SystemExit("usage: python -m benchmarks.pin GPUS -- COMMAND [ARGS...]  (GPUS: e.g. 0 or 0,1)")
-    gpus = [g.strip() for g in argv[0].split(",") if g.strip()]
-    cpus = cores_for(gpus)
+        raise SystemExit(usage)
+    if named:
+        cpus, what = parse_cpu_list(argv[0]), "cores"
+    else:
+        gpus = [g.strip() for g in argv[0].split(",") if g.strip()]
+        cpus, what = cores_for(gpus), f"GPU {','.join(gpus)}: cores"
     if cpus:
         os.sched_setaffinity(0, cpus)
-        print(f"[pin] GPU {','.join(gpus)}: cores {cpu_list(cpus)}", flush=True)
+        print(f"[pin] {what} {cpu_list(cpus)}", flush=True)
     os.execvp(argv[2], argv[2:])
 
 

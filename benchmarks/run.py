@@ -425,16 +425,16 @@ def side_env(env: dict[str, str], gpus: list[str], *, pin: bool) -> dict[str, st
             **({"BENCH_CPUS": cpu_list(cpus)} if cpus else {})}
 
 
-# Run argv[2:] confined to the cores argv[1] lists: the affinity is inherited by every process it
-# starts (Ray, vLLM, compile workers), and needs no `taskset` on the host.
-_PINNED = ("import os, sys; os.sched_setaffinity(0, {c for a, _, b in (p.partition('-') for p in "
-           "sys.argv[1].split(',')) for c in range(int(a), int(b or a) + 1)}); "
-           "os.execvp(sys.argv[2], sys.argv[2:])")
+def parse_cpu_list(spec: str) -> list[int]:
+    """"0-2,5" -> `[0, 1, 2, 5]`: the inverse of `cpu_list`."""
+    spans = (p.partition("-") for p in spec.split(",") if p)
+    return sorted({c for a, _, b in spans for c in range(int(a), int(b or a) + 1)})
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
-    """`cmd` run on the cores of `cpus` ("0-15,32"); `cmd` itself when None or empty."""
-    return [sys.executable, "-c", _PINNED, cpus, *cmd] if cpus else cmd
+    """`cmd` run on the cores of `cpus` ("0-15,32") through `benchmarks.pin` (the affinity is inherited
+    by every process it starts: Ray, vLLM, compile workers); `cmd` itself when None or empty."""
+    return [sys.executable, "-m", "benchmarks.pin", "--cores", cpus, "--", *cmd] if cpus else cmd
 
 
 def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,

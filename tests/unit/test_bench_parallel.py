@@ -276,9 +276,15 @@ def test_a_pinned_command_and_the_processes_it_starts_run_on_its_cores(tmp_path)
     child = "import os; print(sorted(os.sched_getaffinity(0)))"
     grandchild = f"subprocess.run([sys.executable, '-c', {child!r}])"
     cmd = [sys.executable, "-c", f"import subprocess, sys; {child}; {grandchild}"]
-    out = subprocess.run(run.pinned(cmd, str(core)), capture_output=True, text=True, check=True).stdout
-    assert out.split() == [f"[{core}]", f"[{core}]"]
+    out = subprocess.run(run.pinned(cmd, str(core)), capture_output=True, text=True, check=True, cwd=run.REPO).stdout
+    assert out.splitlines() == [f"[pin] cores {core}", f"[{core}]", f"[{core}]"]
     assert run.pinned(cmd, None) == cmd and run.pinned(cmd, "") == cmd
+
+
+def test_a_core_list_reads_back_as_its_cores():
+    for cores in ([0], [0, 1, 2, 5], [3, 4, 8, 9, 10, 63]):
+        assert run.parse_cpu_list(run.cpu_list(cores)) == cores
+    assert run.parse_cpu_list("0-2,5") == [0, 1, 2, 5]
 
 
 def test_launch_runs_a_side_on_its_cores_and_records_them(monkeypatch, tmp_path):
@@ -288,7 +294,7 @@ def test_launch_runs_a_side_on_its_cores_and_records_them(monkeypatch, tmp_path)
                      env={**os.environ, "BENCH_CPUS": str(core)}, log=tmp_path / "log.txt", metrics=None,
                      timeout=60, poll_s=0.05)
     assert out["returncode"] == 0 and out["cpus"] == str(core)
-    assert (tmp_path / "log.txt").read_text().splitlines()[1:] == [f"[{core}]"]
+    assert (tmp_path / "log.txt").read_text().splitlines()[1:] == [f"[pin] cores {core}", f"[{core}]"]
 
 
 @pytest.mark.parametrize(("parallel", "no_pin", "pinned"),

@@ -57,4 +57,18 @@ def test_cores_for_ignores_gpus_the_host_does_not_have(monkeypatch):
 def test_a_command_line_without_the_separator_is_refused_in_one_line():
     cmd = [sys.executable, "-m", "benchmarks.pin", "0", "echo"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, check=False, text=True, timeout=60)
-    assert proc.returncode == 1 and proc.stderr.strip().startswith("usage: python -m benchmarks.pin GPUS --")
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("usage: python -m benchmarks.pin {GPUS | --cores LIST} --")
+
+
+def test_named_cores_pin_the_command_without_asking_for_gpus(tmp_path):
+    core = min(os.sched_getaffinity(0))
+    cmd = [sys.executable, "-m", "benchmarks.pin", "--cores", str(core), "--", sys.executable, "-c", AFFINITY]
+    env = fake_nvidia_smi(tmp_path, 0)  # no GPUs: the named cores still apply
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.splitlines() == [f"[pin] cores {core}", f"[{core}]"]
+
+
+def test_a_malformed_call_says_how_to_call_it():
+    for argv in (["--cores", "0-3"], ["--cores", "0", "echo"], []):
+        with pytest.raises(SystemExit, match="usage: python -m benchmarks.pin"):
+            pin.main(argv)
