@@ -29,10 +29,11 @@ def attention_kernel(cfg: LearnerConfig, device_kind: str) -> str:
 
 def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: bool,
                   attention: str = "sdpa", liger_on: str | None = None,
-                  head_kernels: HeadKernels = EAGER_HEAD) -> torch.nn.Module:
+                  head_kernels: HeadKernels = EAGER_HEAD, keep_logits: bool = False) -> torch.nn.Module:
     """The model in fp32 (master weights; the backend casts for compute) with the `attention`
     kernel, Liger's kernels when `liger_on` names the device kind (actors.learner_kernels), its LM
-    head a `LogprobHead` when `fused_head` (swapped before any sharding wrapper sees the model)."""
+    head a `LogprobHead` when `fused_head` (swapped before any sharding wrapper sees the model),
+    keeping its logits for backward when `keep_logits`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attention)
@@ -43,7 +44,8 @@ def load_hf_model(model_path: str, *, gradient_checkpointing: bool, fused_head: 
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if fused_head:
-        model.set_output_embeddings(LogprobHead(model.get_output_embeddings(), kernels=head_kernels))
+        model.set_output_embeddings(LogprobHead(model.get_output_embeddings(), kernels=head_kernels,
+                                                keep_logits=keep_logits))
     return model
 
 
@@ -60,7 +62,8 @@ def learner_model(model_path: str, cfg: LearnerConfig, device_kind: str, *, trai
         head_kernels = EAGER_HEAD
     model = load_hf_model(model_path, gradient_checkpointing=trainable and cfg.gradient_checkpointing,
                           fused_head=cfg.fused_head, attention=attention_kernel(cfg, device_kind),
-                          liger_on=device_kind if cfg.liger else None, head_kernels=head_kernels)
+                          liger_on=device_kind if cfg.liger else None, head_kernels=head_kernels,
+                          keep_logits=cfg.head_keep_logits)
     layers, targets = decoder_layers(model), []
     if trainable and cfg.lora_rank > 0:
         model, targets = wrap_lora(model, cfg)

@@ -284,6 +284,10 @@ class LearnerConfig:
     passes over fp32 copies: cast, scale, log-sum-exp, softmax, gradient), or `fused`: the forward
     statistics and the logits' gradient each compiled into one kernel (torch.compile) and, on a GPU,
     the head weight's gradient accumulated by the matmul itself in fp32. Needs `fused_head`."""
+    head_keep_logits: bool = False
+    """The fused head keeps each chunk's logits (model dtype) from forward to backward instead of
+    recomputing them there: one head matmul less per scored token, for [scored tokens x vocab] x dtype
+    bytes more per micro-batch (room a large GPU has). Needs `fused_head`."""
     pack_sequences: bool = False
     """Padding-free micro-batches: rows packed back to back into one with restarting position ids,
     attended with a per-document causal mask (FlexAttention skips the masked blocks; SDPA computes

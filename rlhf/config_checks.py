@@ -137,6 +137,8 @@ def _learner(l: LearnerConfig) -> None:
           "torch.compile: choose one)", l.compile)
     check(l.head_kernels == "eager" or l.fused_head, "learner.head_kernels",
           "'eager' with learner.fused_head=false (the kernels are the fused head's)", l.head_kernels)
+    check(not l.head_keep_logits or l.fused_head, "learner.head_keep_logits",
+          "false with learner.fused_head=false (the logits kept are the fused head's)", l.head_keep_logits)
     check(not l.compile or l.backend == "fsdp2", "learner.compile",
           "false with learner.backend=deepspeed (ZeRO's parameter hooks inside the layers break the graph)", l.compile)
     check(not l.cast_once_per_step or l.backend == "fsdp2", "learner.cast_once_per_step",

@@ -24,6 +24,8 @@ Decisions:
   states and the head's weight, chunk by chunk in forward *and* backward (the backward recomputes a
   chunk's logits from the saved hidden states and the log-sum-exp), so neither [tokens x vocab]
   logits nor their fp32 copy ever exist; the extra cost is one more head matmul per chunk.
+  `keep_logits` trades that matmul for memory: forward keeps each chunk's logits (the matmul's
+  dtype, [tokens x vocab] in all) for backward, where a large GPU has the room.
   `LogprobHead` puts it in a model's place of `lm_head`, so sharding wrappers (FSDP2, ZeRO-3) see
   the weight where they expect it.
 """
@@ -122,44 +124,53 @@ EAGER_HEAD = HeadKernels()
 
 class _HeadLogprobs(torch.autograd.Function):
     """log p(targets) under softmax(hidden @ weight.T / temperature), chunk by chunk: at most
-    `chunk` rows of logits exist at a time, forward or backward (recomputed there)."""
+    `chunk` rows of logits exist at a time, forward or backward (recomputed there), unless
+    `keep_logits` keeps every chunk's logits from forward for backward."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk: int, kernels: HeadKernels) -> torch.Tensor:
+                chunk: int, kernels: HeadKernels, keep_logits: bool) -> torch.Tensor:
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(out)
+        kept: list[torch.Tensor] = []
         for s in range(0, hidden.shape[0], chunk):
-            out[s:s + chunk], lse[s:s + chunk] = kernels.logprobs(hidden[s:s + chunk] @ weight.T,
-                                                                  targets[s:s + chunk], temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+            logits = hidden[s:s + chunk] @ weight.T
+            out[s:s + chunk], lse[s:s + chunk] = kernels.logprobs(logits, targets[s:s + chunk], temperature)
+            if keep_logits:
+                kept.append(logits)
+        ctx.save_for_backward(hidden, weight, targets, lse, *kept)
         ctx.temperature, ctx.chunk, ctx.kernels = temperature, chunk, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, *kept = ctx.saved_tensors
         t, chunk, kernels = ctx.temperature, ctx.chunk, ctx.kernels
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for s in range(0, hidden.shape[0], chunk):
+        for i, s in enumerate(range(0, hidden.shape[0], chunk)):
             h = hidden[s:s + chunk]
-            dlogits = kernels.logits_grad(h @ weight.T, targets[s:s + chunk], lse[s:s + chunk],
+            logits = kept[i] if kept else h @ weight.T
+            dlogits = kernels.logits_grad(logits, targets[s:s + chunk], lse[s:s + chunk],
                                           grad_out[s:s + chunk], t)
             grad_hidden[s:s + chunk] = dlogits @ weight
             grad_weight = kernels.accumulate(grad_weight, dlogits.T, h)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kernels: HeadKernels = EAGER_HEAD) -> torch.Tensor:
+                  chunk_tokens: int = DEFAULT_CHUNK_TOKENS, kernels: HeadKernels = EAGER_HEAD,
+                  keep_logits: bool = False) -> torch.Tensor:
     """[..., ] fp32 log p(targets) of the LM head `weight` [V, d] applied to `hidden` [..., d]:
-    equal to log_softmax(hidden @ weight.T / temperature).gather(targets), without ever holding
-    more than `chunk_tokens` rows of logits, forward or backward; the per-chunk work is `kernels`'."""
+    equal to log_softmax(hidden @ weight.T / temperature).gather(targets), holding at most
+    `chunk_tokens` rows of logits at a time, forward or backward; the per-chunk work is `kernels`'.
+    `keep_logits`: backward reuses forward's logits, every row's kept, instead of recomputing them
+    (only where a backward can follow: a no-grad pass keeps nothing)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    keep = keep_logits and torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     flat = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), temperature,
-                               chunk_tokens, kernels)
+                               chunk_tokens, kernels, keep)
     return flat.view(targets.shape)
 
 
@@ -170,16 +181,18 @@ class LogprobHead(torch.nn.Module):
     stays tied) before the model is sharded. With `targets` None it is the plain linear head; set
     `targets` ([B, T'] for the T' positions the model keeps, e.g. `next_token_targets`) around a
     forward pass (`with head.scoring(targets, temperature):`) and the model's "logits" come back
-    as [B, T'] next-token log-probs ("Fused head" in the module docstring).
+    as [B, T'] next-token log-probs ("Fused head" in the module docstring); `keep_logits` as in
+    `head_logprobs`.
     """
 
     def __init__(self, head: torch.nn.Linear, chunk_tokens: int | None = None,
-                 kernels: HeadKernels = EAGER_HEAD) -> None:
+                 kernels: HeadKernels = EAGER_HEAD, keep_logits: bool = False) -> None:
         super().__init__()
         if head.bias is not None:
             raise ValueError("LogprobHead: LM heads with a bias are not supported")
         self.weight = head.weight
         self.chunk_tokens, self.kernels = chunk_tokens or kernels.chunk_tokens, kernels
+        self.keep_logits = keep_logits
         self.targets: torch.Tensor | None = None
         self.rows: torch.Tensor | None = None
         self.temperature = 1.0
@@ -189,12 +202,14 @@ class LogprobHead(torch.nn.Module):
             return torch.nn.functional.linear(hidden, self.weight)
         if self.rows is None:
             return head_logprobs(hidden, self.weight, self.targets, temperature=self.temperature,
-                                 chunk_tokens=self.chunk_tokens, kernels=self.kernels)
+                                 chunk_tokens=self.chunk_tokens, kernels=self.kernels,
+                                 keep_logits=self.keep_logits)
         # Only the positions asked for pass through the head (a prompt's positions score nothing):
         # their log-probs land in place, every other position reads 0.
         flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, self.rows)
         picked = head_logprobs(flat, self.weight, self.targets.reshape(-1).index_select(0, self.rows),
-                               temperature=self.temperature, chunk_tokens=self.chunk_tokens, kernels=self.kernels)
+                               temperature=self.temperature, chunk_tokens=self.chunk_tokens,
+                               kernels=self.kernels, keep_logits=self.keep_logits)
         out = picked.new_zeros(self.targets.numel()).index_put((self.rows,), picked)
         return out.view(self.targets.shape)
 

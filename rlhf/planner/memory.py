@@ -11,8 +11,9 @@ Decisions, each a section of docs/design/memory-planner.md (the formulas, and th
 the fitted terms rest on):
 - Memory model: per GPU, the backend's weights, masters, gradients and Adam state by sharding mode,
   a reference copy where `rlhf.rules.holds_reference_model`, activations per token per layer
-  (b * (11h + 4f + 2a), fitted), ZeRO-3's buffers, logits, vLLM's weights and KV cache, a CUDA
-  context per process and a 10% fragmentation margin.
+  (b * (11h + 4f + 2a) fitted for eager layers, counted for Liger's) and the LM head's working set
+  (rlhf.planner.activations), ZeRO-3's buffers, vLLM's weights and KV cache, a CUDA context per
+  process and a 10% fragmentation margin.
 - Phases: colocated, vLLM sleeps (level 2) while the learner trains and the learner's state stays
   while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side. A
   reward worker with a device share (`reward_memory`) scores beside the awake engine (colocated,
@@ -36,12 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.config import RunConfig, config_to_dict
+from rlhf.planner.activations import head_bytes, layer_activations
 from rlhf.planner.flops import train_flops_per_token
 from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
 from rlhf.rules import device_share, engine_count, holds_reference_model, learner_state, reward_gpus, run_gpus
 
-ACT_HIDDEN, ACT_MLP, ACT_HEADS = 11, 4, 2  # activation elements per token per layer: 11h + 4f + 2a
-HEAD_CHUNK_TOKENS = 1024  # rlhf.algo.logprobs.DEFAULT_CHUNK_TOKENS
 ZERO3_BUFFERS_GIB = 1.6  # ZeRO-3's gradient bucket and fetch buffers ("Memory model")
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
 VLLM_ASLEEP_GIB = 1.0  # what a level-2 sleeping engine keeps (graph pool, its allocator)
@@ -168,11 +168,11 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     weights = module + gathered
     reference = (4 if fsdp else 2) * p / n if holds_reference_model(cfg) else 0
     tokens = micro_batch_tokens(cfg)
-    h, f, a = shape.hidden_size, shape.intermediate_size, shape.num_attention_heads
-    per_layer = b * (ACT_HIDDEN * h + ACT_MLP * f + ACT_HEADS * a) * tokens
+    h = shape.hidden_size
+    per_layer = b * layer_activations(l, shape) * tokens
     activations = (b * h * tokens * shape.num_hidden_layers + per_layer if l.gradient_checkpointing
                    else per_layer * shape.num_hidden_layers)
-    logits = (10 * min(tokens, HEAD_CHUNK_TOKENS) if l.fused_head else 2 * b * tokens) * shape.vocab_size
+    logits = head_bytes(l, shape, b, tokens)
     buffers = ZERO3_BUFFERS_GIB * GIB if stage3 and not fsdp else 0
     peak = weights + masters + grads + optimizer + reference + activations + logits + buffers
     resident = module + masters + grads + optimizer + reference + buffers

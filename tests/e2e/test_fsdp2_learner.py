@@ -80,17 +80,21 @@ def reference_step(model_path: str, batch: TrainBatch, objective) -> tuple[torch
 # "packed-varlen": the same packed rows through the varlen attention path (SDPA per document on
 # CPU, FlashAttention's varlen kernel on a GPU). "cast-once": each layer gathered and cast once per
 # step, gradients accumulated unsharded. "padding-mask": padded rows with the mask (the default
-# leaves it out: right padding cannot reach a real token through a causal kernel).
+# leaves it out: right padding cannot reach a real token through a causal kernel). "keep-logits":
+# packed-varlen with the fused head keeping its logits for backward (the scored rows only).
 LAYOUTS = {"fixed": LEARNER, "token-budget": replace(LEARNER, max_tokens_per_micro_batch=24),
            "packed-flex": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True,
                                   attention="flex_attention"),
            "packed-varlen": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True, attention="varlen"),
            "cast-once": replace(LEARNER, cast_once_per_step=True),
-           "padding-mask": replace(LEARNER, padding_mask=True)}
+           "padding-mask": replace(LEARNER, padding_mask=True),
+           "keep-logits": replace(LEARNER, max_tokens_per_micro_batch=24, pack_sequences=True,
+                                  attention="varlen", head_keep_logits=True)}
 
 
 GRPO_CASES = [*((layout, agg) for layout in ("fixed", "token-budget") for agg in ("token-mean", "seq-mean-token-mean")),
-              ("packed-varlen", "token-mean"), ("cast-once", "seq-mean-token-mean"), ("padding-mask", "token-mean")]
+              ("packed-varlen", "token-mean"), ("cast-once", "seq-mean-token-mean"),
+              ("padding-mask", "token-mean"), ("keep-logits", "token-mean")]
 
 
 @pytest.mark.parametrize(("layout", "loss_agg"), GRPO_CASES)

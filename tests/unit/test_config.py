@@ -37,6 +37,7 @@ ALLOWED_KEYS = {
     "learner.gradient_checkpointing", "learner.reshard_after_forward", "learner.fused_head",
     "learner.pack_sequences", "learner.attention", "learner.share_prompts", "learner.deepspeed_config",
     "learner.padding_mask", "learner.liger", "learner.compile", "learner.cast_once_per_step", "learner.head_kernels",
+    "learner.head_keep_logits",
     "env.sandbox",
     "learner.lora_rank", "learner.lora_alpha", "learner.lora_dropout", "learner.lora_target_modules",
     "learner.lora_sync", "memory.plan", "memory.gpu", "memory.gpu_memory_gib",

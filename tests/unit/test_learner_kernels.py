@@ -93,6 +93,7 @@ def test_liger_is_refused_in_one_line_off_a_gpu(tiny_qwen2):
     ({"compile": True, "liger": True}, "learner.compile"),
     ({"cast_once_per_step": True, "backend": "deepspeed"}, "learner.cast_once_per_step"),
     ({"head_kernels": "fused", "fused_head": False}, "learner.head_kernels"),
+    ({"head_keep_logits": True, "fused_head": False}, "learner.head_keep_logits"),
 ])
 def test_kernel_keys_that_cannot_apply_are_refused_naming_the_key(overrides, key):
     from dataclasses import replace
@@ -105,12 +106,14 @@ def test_kernel_keys_that_cannot_apply_are_refused_naming_the_key(overrides, key
     assert e.value.key == key and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("keep_logits", [False, True], ids=["recompute", "keep-logits"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_fused_head_kernels_equal_the_eager_head(temperature, monkeypatch):
+def test_fused_head_kernels_equal_the_eager_head(temperature, keep_logits, monkeypatch):
     """`learner.head_kernels: fused`: the per-chunk statistics and the logits' gradient traced whole
     by torch.compile (one graph each, dynamic in the chunk's rows: the last chunk is shorter) give
-    the eager head's log-probs and gradients. On CPU the graphs are checked through `aot_eager`;
-    inductor's generated kernels run in the GPU suite (tests/gpu/test_learner_gpu.py, fused-head)."""
+    the eager head's log-probs and gradients, also from the logits kept by `learner.head_keep_logits`.
+    On CPU the graphs are checked through `aot_eager`; inductor's generated kernels run in the GPU
+    suite (tests/gpu/test_learner_gpu.py, fused-head)."""
     from rlhf.algo.logprobs import head_logprobs
 
     monkeypatch.setenv("RLHF_COMPILE_BACKEND", "aot_eager")
@@ -122,7 +125,7 @@ def test_fused_head_kernels_equal_the_eager_head(temperature, monkeypatch):
     results = []
     for kernels in (None, fused_head_kernels("cpu")):
         hidden.grad = weight.grad = None
-        extra = {} if kernels is None else {"kernels": kernels}
+        extra = {} if kernels is None else {"kernels": kernels, "keep_logits": keep_logits}
         out = head_logprobs(hidden, weight, targets, temperature=temperature, chunk_tokens=4, **extra)  # 4+4+4+2
         (out * upstream).sum().backward()
         results.append((out.detach(), hidden.grad.clone(), weight.grad.clone()))

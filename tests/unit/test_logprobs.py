@@ -223,6 +223,78 @@ def test_head_logprobs_equal_log_softmax_values_and_gradients(temperature):
     torch.testing.assert_close(weight.grad, want[2], atol=1e-5, rtol=1e-5)
 
 
+def _head_run(hidden, weight, targets, upstream, rows=None, **kwargs):
+    """LogprobHead's log-probs on `hidden` [2, 7, d] (all positions, or the flat `rows`) and the
+    gradients of sum(upstream * log-probs) with respect to hidden and weight."""
+    from rlhf.algo.logprobs import LogprobHead
+
+    linear = torch.nn.Linear(hidden.shape[-1], weight.shape[0], bias=False, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    head, hidden = LogprobHead(linear, **kwargs), hidden.clone().requires_grad_()
+    with head.scoring(targets, temperature=0.7, rows=rows):
+        out = head(hidden)
+    (out * upstream).sum().backward()
+    return out.detach(), hidden.grad, head.weight.grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 5])  # 14 rows: chunks of 3+3+3+3+2, 5+5+4 (rows path: 9 rows)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scored_rows", [False, True], ids=["every-position", "scored-rows-only"])
+def test_kept_logits_give_the_recomputed_heads_log_probs_and_gradients(chunk_tokens, dtype, scored_rows):
+    """`keep_logits` (learner.head_keep_logits): backward reads forward's logits instead of
+    recomputing them, so log-probs and both gradients are the recomputing head's, bit for bit, and
+    log_softmax's up to the dtype's rounding; also through the `rows` path."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, 16, generator=g).to(dtype)
+    weight = torch.randn(50, 16, generator=g).to(dtype)
+    targets = torch.randint(0, 50, (2, 7), generator=g)
+    upstream = torch.randn(2, 7, generator=g)
+    rows = torch.tensor([0, 2, 3, 5, 7, 8, 9, 12, 13]) if scored_rows else None
+    scored = torch.zeros(14, dtype=torch.bool)
+    scored[rows if scored_rows else slice(None)] = True
+    scored = scored.view(2, 7)
+
+    kept = _head_run(hidden, weight, targets, upstream, rows, chunk_tokens=chunk_tokens, keep_logits=True)
+    recomputed = _head_run(hidden, weight, targets, upstream, rows, chunk_tokens=chunk_tokens)
+    for got, want in zip(kept, recomputed):
+        assert torch.equal(got, want)
+
+    h, w = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    plain = torch.log_softmax(h @ w.T / 0.7, dim=-1).gather(-1, targets[..., None]).squeeze(-1) * scored
+    (plain * upstream.double()).sum().backward()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(kept[0].double(), plain.detach(), **tol)
+    torch.testing.assert_close(kept[1].double(), h.grad, **tol)
+    torch.testing.assert_close(kept[2].double(), w.grad, **tol)
+    assert kept[1].dtype == kept[2].dtype == dtype
+
+
+def test_kept_logits_are_saved_only_where_a_backward_can_follow(monkeypatch):
+    """With grad: every chunk's logits saved beside the four tensors the recomputing head saves; under
+    no_grad (old and reference log-probs), or with nothing requiring grad, none are kept."""
+    from rlhf.algo import logprobs
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(10, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (10,), generator=g)
+    out = logprobs.head_logprobs(hidden, weight, targets, chunk_tokens=4, keep_logits=True)  # 4+4+2
+    saved = out.grad_fn.next_functions[0][0].saved_tensors  # the head's, under the view to targets' shape
+    assert len(saved) == 4 + 3 and [t.shape for t in saved[4:]] == [(4, 50), (4, 50), (2, 50)]
+    recomputing = logprobs.head_logprobs(hidden, weight, targets, chunk_tokens=4)
+    assert len(recomputing.grad_fn.next_functions[0][0].saved_tensors) == 4
+
+    flags = []
+    apply = logprobs._HeadLogprobs.apply
+    monkeypatch.setattr(logprobs._HeadLogprobs, "apply", lambda *args: flags.append(args[-1]) or apply(*args))
+    with torch.no_grad():
+        logprobs.head_logprobs(hidden, weight, targets, chunk_tokens=4, keep_logits=True)
+    logprobs.head_logprobs(hidden.detach(), weight.detach(), targets, chunk_tokens=4, keep_logits=True)
+    logprobs.head_logprobs(hidden, weight, targets, chunk_tokens=4, keep_logits=True)
+    assert flags == [False, False, True]
+
+
 @pytest.mark.parametrize("scored_rows", [False, True], ids=["every-position", "scored-rows-only"])
 def test_logprob_head_in_a_model_equals_token_logprobs(tiny_qwen2, scored_rows):
     """A tiny Qwen2 with LogprobHead in place of lm_head: plain forward passes

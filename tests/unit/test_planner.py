@@ -118,6 +118,49 @@ def test_learner_peak_matches_the_calibration_run():
     assert predicted_learner_peak_gib(cfg) == pytest.approx(40.3, rel=0.10)
 
 
+# The grpo-gpu tuned row's learner (benchmarks/README.md, grpo-gpu tuned row, 2026-11-27): Qwen2.5-1.5B,
+# FSDP2 on one H100, every learner speed key on; measured `memory/learner_peak_gib` per token budget.
+FAST_LEARNER = ["learner.liger=true", "learner.cast_once_per_step=true", "learner.pack_sequences=true",
+                "learner.attention=varlen", "learner.head_kernels=fused", "grpo.prompts_per_step=64",
+                "grpo.group_size=8", "generation.max_new_tokens=512", "learner.micro_batch_size=16"]
+FAST_LEARNER_PEAKS = {12288: 56.1, 16384: 63.45}
+
+
+@pytest.mark.parametrize("tokens", FAST_LEARNER_PEAKS)
+def test_learner_peak_with_liger_and_the_compiled_head_matches_the_tuned_row(tokens: int):
+    cfg = load_config(ROOT / "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu.yaml",
+                      [*FAST_LEARNER, f"learner.max_tokens_per_micro_batch={tokens}"])
+    assert predicted_learner_peak_gib(cfg) == pytest.approx(FAST_LEARNER_PEAKS[tokens], rel=0.03)
+
+
+def test_liger_layers_keep_the_tensors_counted_and_eager_layers_the_fitted_count():
+    """Per token per layer, Qwen2.5-1.5B (h 1536, kv 2 x 128, f 8960, 12 heads): Liger's 6h + 2kv + 3f + 2a
+    (36,628 measured on an H100, docs/design/memory-planner.md), eager's fitted 11h + 4f + 2a."""
+    from rlhf.config import LearnerConfig
+    from rlhf.planner.activations import layer_activations
+
+    shape = KNOWN_SHAPES["qwen2.5-1.5b"]
+    liger = 6 * 1536 + 2 * 256 + 3 * 8960 + 2 * 12
+    assert layer_activations(LearnerConfig(liger=True), shape) == liger == 36632
+    assert layer_activations(LearnerConfig(), shape) == 11 * 1536 + 4 * 8960 + 2 * 12
+
+
+@pytest.mark.parametrize("kernels", ["eager", "fused"])
+def test_kept_head_logits_add_their_bytes_to_the_logits_and_are_never_planned(kernels: str):
+    """`learner.head_keep_logits`: b x tokens x vocab more (the logits kept from forward to backward), and
+    only when set: `memory.plan: auto` never chooses it."""
+    from rlhf.planner.memory import PLAN_KEYS
+
+    args = ["model.path=Qwen/Qwen2.5-1.5B", "model.dtype=bfloat16", "learner.max_tokens_per_micro_batch=4096",
+            f"learner.head_kernels={kernels}"]
+    shape, gpu = model_shape("Qwen/Qwen2.5-1.5B"), gpu_kind("h100-80gb")
+    recomputed = breakdown(load_config(None, args), shape, gpu)
+    kept = breakdown(load_config(None, [*args, "learner.head_keep_logits=true"]), shape, gpu)
+    assert (kept.logits - recomputed.logits) * GIB == pytest.approx(2 * 4096 * shape.vocab_size)
+    assert kept.learner_peak - recomputed.learner_peak == pytest.approx(kept.logits - recomputed.logits)
+    assert "learner.head_keep_logits" not in PLAN_KEYS  # candidates differ in the plan's keys only
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_recipe_plans_or_says_why_not_on_every_gpu(recipe: Path):
     cfg = load_config(recipe)
