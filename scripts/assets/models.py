@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 from rlhf.data.assets import is_fetched, model_dir, tokenizer_dir
@@ -84,11 +85,24 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     model.load_state_dict(state, strict=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     tokenizer.model_max_length = config.max_position_embeddings
-    if tokenizer.pad_token is None:  # transformers versions read the GGUF's pad token differently
-        tokenizer.pad_token = tokenizer.eos_token
+    align_special_tokens(tokenizer, config)
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(out)
+
+
+def align_special_tokens(tokenizer: Any, config: Any) -> None:
+    """The tokenizer's end-of-sequence and padding tokens are the model's (`config.eos_token_id` and
+    `pad_token_id`, the GGUF's own metadata), padding falling back to the end of sequence. Versions
+    of transformers read a GGUF's tokenizer differently: 5.17 gives Qwen2.5-Instruct's tokenizer the
+    document end <|endoftext|> as its eos, where the model ends a turn with <|im_end|> (5.23 agrees
+    with the model), so generation would never stop at the end of a turn."""
+    for role in ("eos", "pad"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
 
 
 def verify_chat_model(folder: Path, question: str, max_new_tokens: int = 16) -> str:

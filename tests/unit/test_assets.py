@@ -137,3 +137,24 @@ def test_a_fetch_holds_the_cache_lock_until_it_returns(tmp_path, monkeypatch):
 
     assert fetch_fake() == tmp_path and held == [True]
     assert try_lock()  # released on return
+
+
+def test_a_converted_tokenizer_ends_sequences_where_the_model_does(smollm2_dir):
+    """transformers 5.17 reads Qwen2.5-Instruct's GGUF tokenizer with <|endoftext|> as its eos where
+    the model's config (the GGUF's metadata) ends a turn with <|im_end|>: the converter takes the
+    model's ids, and padding falls back to the end of sequence."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from scripts.assets.models import align_special_tokens
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    tok.eos_token, tok.pad_token = "<|endoftext|>", None  # as the older reader left it
+    align_special_tokens(tok, SimpleNamespace(eos_token_id=im_end, pad_token_id=None))
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|im_end|>")
+    align_special_tokens(tok, SimpleNamespace(eos_token_id=im_end, pad_token_id=0))
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", tok.convert_ids_to_tokens(0))
+    align_special_tokens(tok, SimpleNamespace(eos_token_id=None, pad_token_id=10**9))  # none, or out of range: kept
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", tok.convert_ids_to_tokens(0))
