@@ -20,6 +20,10 @@ Decisions (docs/design/learners.md, "FSDP2"):
   requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
   is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only the
   adapters' moments), so resume is exact as without LoRA.
+- Gathered by unit: a weight sync in the compute dtype (every push) gathers a decoder layer at a time
+  through FSDP2's own unshard (one all-gather per layer, the fp32 -> bf16 cast fused into its copy-in)
+  rather than one DTensor collective per tensor: ~30 collectives instead of ~340 for a 28-layer model,
+  where the per-tensor ones made the sync grow with the rank count.
 - Cast once per step (`learner.cast_once_per_step`): FSDP2's gradient-accumulation switches keep
   every layer gathered in the compute dtype from the step's first forward to its last backward, so
   the fp32 -> bf16 cast and the all-gather happen once per step, not twice per micro-batch.
@@ -43,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from actors.hf_model import decoder_layers, learner_model
@@ -58,6 +62,7 @@ class FSDP2Sharding:
         self.lora_targets: list[str] = []
         self.model = self._build(model_path, trainable=True)
         self.reference = self._build(model_path, trainable=False) if with_reference else None
+        self._compute_dtype = getattr(torch, ctx.model_cfg.dtype)
         # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
         # 0.38 s per step for 135M parameters on 2 cores).
         self.optimizer = torch.optim.AdamW(self._trainable(), lr=self.cfg.lr, betas=self.cfg.betas,
@@ -113,9 +118,37 @@ class FSDP2Sharding:
     def full_parameters(self, keep: bool | None = None, only: Callable[[str], bool] | None = None,
                         dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         # named_parameters lists a tied weight once (embeddings, not lm_head): vLLM and HF re-tie.
+        if dtype is not None and dtype == self._compute_dtype:
+            yield from self._unsharded_parameters(keep, only)
+            return
         for name, param in self.model.named_parameters():
             if only is None or only(name):
                 yield name, full_tensor(param.detach(), dtype)
+
+    def _unsharded_parameters(self, keep: bool | None, only: Callable[[str], bool] | None
+                              ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """`full_parameters` in the compute dtype, a unit at a time ("Gathered by unit" above): FSDP2's
+        own unshard (one all-gather per layer, cast on the way), each weight copied out before the
+        unit reshards; ranks that do not `keep` (default: all but rank 0) get None."""
+        keep = self.ctx.rank == 0 if keep is None else keep
+        unit_of = {id(p): unit for unit in self.model.modules() if isinstance(unit, FSDPModule)
+                   for p in _own_parameters(unit)}
+        # Read while sharded: an unsharded unit's attributes are other Parameter objects.
+        owners = [(n, unit_of[id(p)]) for n, p in self.model.named_parameters() if only is None or only(n)]
+        root, current = self.model, None
+        root.unshard()  # embeddings and final norm: first and last in name order
+        try:
+            for name, unit in owners:
+                if unit is not root and unit is not current:
+                    if current is not None:
+                        current.reshard()
+                    current = unit
+                    unit.unshard()
+                yield name, self.model.get_parameter(name).detach().clone() if keep else None
+        finally:
+            for unit in (current, root):
+                if unit is not None:
+                    unit.reshard()
 
     def save_state(self, folder: Path) -> None:
         """The sharded model and optimizer (torch.distributed.checkpoint) and the scheduler."""
@@ -135,6 +168,15 @@ class FSDP2Sharding:
 
     def _state(self) -> dict[str, Any]:
         return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.optimizer)}
+
+
+def _own_parameters(unit: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """The parameters FSDP unit `unit` shards: its own, not those of the units nested in it."""
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield from module.parameters(recurse=False)
+        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
 
 
 def full_tensor(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
