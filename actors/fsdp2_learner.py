@@ -60,9 +60,9 @@ class FSDP2Sharding:
     def __init__(self, ctx: RankContext, model_path: str, with_reference: bool) -> None:
         self.ctx, self.cfg = ctx, ctx.cfg
         self.lora_targets: list[str] = []
+        self._compute_dtype = getattr(torch, ctx.model_cfg.dtype)  # FSDP2's param_dtype
         self.model = self._build(model_path, trainable=True)
         self.reference = self._build(model_path, trainable=False) if with_reference else None
-        self._compute_dtype = getattr(torch, ctx.model_cfg.dtype)
         # fused: one kernel over all (sharded) parameters; on CPU 5x faster than foreach (0.07 s vs
         # 0.38 s per step for 135M parameters on 2 cores).
         self.optimizer = torch.optim.AdamW(self._trainable(), lr=self.cfg.lr, betas=self.cfg.betas,
@@ -76,7 +76,7 @@ class FSDP2Sharding:
         lora = trainable and self.cfg.lora_rank > 0
         if lora:
             self.lora_targets = targets
-        mp = MixedPrecisionPolicy(param_dtype=getattr(torch, self.ctx.model_cfg.dtype), reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=self._compute_dtype, reduce_dtype=torch.float32)
         # reshard_after_forward=False keeps each layer's gathered weights from forward to backward
         # (ZeRO-2-like: memory for one all-gather less per layer); the frozen reference has no backward.
         # `cast_once_per_step` keeps them for the whole step.

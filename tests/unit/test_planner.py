@@ -313,3 +313,14 @@ def test_a_refusal_quotes_the_need_of_the_tables_nearest_row(kind: str):
     first_miss = describe(plan).splitlines()[3].split()  # header lines, then the nearest row: fits, s, need
     assert first_miss[0] == "no"
     assert f"needs {float(first_miss[2]):.1f} GiB per GPU as set" in no_fit_message(cfg, shape, gpu, plan, pinned)
+
+
+def test_the_planners_head_chunks_are_the_learners():
+    """The planner stays torch-free, so it holds copies of the fused head's chunk sizes: they must be
+    the ones the learner runs (the eager head's default, the compiled head's on a GPU)."""
+    from actors.learner_kernels import fused_head_kernels
+    from rlhf.algo.logprobs import DEFAULT_CHUNK_TOKENS
+    from rlhf.planner.activations import FUSED_HEAD_CHUNK_TOKENS, HEAD_CHUNK_TOKENS
+
+    assert HEAD_CHUNK_TOKENS == DEFAULT_CHUNK_TOKENS
+    assert FUSED_HEAD_CHUNK_TOKENS == fused_head_kernels("cuda").chunk_tokens
