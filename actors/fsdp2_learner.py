@@ -20,12 +20,10 @@ Decisions (docs/design/learners.md, "FSDP2"):
   requires_grad in a unit); AdamW and gradient clipping see the adapters only. The resumable state
   is unchanged (the sharded state dict then holds base and adapter weights, the optimizer only the
   adapters' moments), so resume is exact as without LoRA.
-- Gathered by unit: on more than one rank, a weight sync in the compute dtype (every push) gathers a
-  decoder layer at a time through FSDP2's own unshard (one all-gather per layer, the fp32 -> bf16 cast
-  fused into its copy-in) rather than one DTensor collective per tensor: ~30 collectives instead of ~340
-  for a 28-layer model, where the per-tensor ones made the sync grow with the rank count. One rank keeps
-  the per-tensor path: its local shard is the whole tensor, no collective and no copy (the unit path's
-  all-gather and copy-out took 0.15-0.5 s against 0.02 s for SmolLM2 on 2 CPU cores).
+- Gathered by unit: on more than one rank, a weight sync in the compute dtype gathers a decoder layer
+  at a time through FSDP2's own unshard (one all-gather per layer, the cast fused into its copy-in), not
+  one DTensor collective per tensor, whose count made the sync grow with the ranks. One rank keeps the
+  per-tensor path: its shard is the whole tensor (docs/design/learners.md, "Gathered by unit").
 - Cast once per step (`learner.cast_once_per_step`): FSDP2's gradient-accumulation switches keep
   every layer gathered in the compute dtype from the step's first forward to its last backward, so
   the fp32 -> bf16 cast and the all-gather happen once per step, not twice per micro-batch.
