@@ -22,6 +22,7 @@ learners and of the NCCL weight sync. The model path must be readable on every n
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from actors.actor_group import TIMEOUT_ENV, ActorGroup, gather, load_class, node_address, set_timeout
 from actors.device import detect
 from actors.engine_group import EngineGroup
+from actors.host_cores import host_gpu_ids
 from actors.learner_base import LearnerRank
 from actors.learner_group import RayLearnerGroup
 from actors.reward_worker import RayRewardScorer
@@ -136,6 +138,7 @@ def _share(share: dict[str, float]) -> dict[str, float]:
 
 def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, start_after: list | None = None
                    ) -> RayLearnerGroup:
+    host_gpus = pinned_host_gpus(cfg.cluster)
     group = ActorGroup(
         LearnerRank, name="learner rank", pg=pg, bundles=layout.learner_bundles,
         **_share(layout.learner_share),
@@ -143,7 +146,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, sta
             rank=rank, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
             model_path=model_path, model_cfg=cfg.model, learner_cfg=cfg.learner,
             temperature=cfg.generation.temperature or 1.0, with_reference=holds_reference_model(cfg), seed=cfg.seed,
-            driver_store=True, start_after=start_after,
+            driver_store=True, start_after=start_after, host_gpus=host_gpus,
         ),
         env=_timeout_env(cfg.cluster), rendezvous_store=True,
     )
@@ -151,7 +154,7 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, sta
 
 
 def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, device_kind: str) -> EngineGroup:
-    engines = len(layout.engine_bundles)
+    engines, host_gpus = len(layout.engine_bundles), pinned_host_gpus(cfg.cluster)
     group = ActorGroup(
         load_class(GENERATORS[cfg.generation.backend]), name="engine", pg=pg, bundles=layout.engine_bundles,
         **_share(layout.engine_share),
@@ -159,11 +162,23 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
             model_path=model_path, cfg=cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
             enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
+            host_gpus=host_gpus,
             **({"lora": cfg.learner} if serves_adapters(cfg) else {}),
         ),
         env=_timeout_env(cfg.cluster),
     )
     return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0)
+
+
+def pinned_host_gpus(cluster: ClusterConfig) -> list[str]:
+    """Under `cluster.pin_cores`, the GPU ids Ray hands out on the driver's node (every node's are
+    taken to be numbered alike), which the engines and learner ranks split the node's cores by;
+    [] when off, or where the node has no GPU."""
+    if not cluster.pin_cores:
+        return []
+    node = ray.get_runtime_context().get_node_id()
+    gpus = next((n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["NodeID"] == node), 0.0)
+    return host_gpu_ids(os.environ, int(gpus)) if gpus else []
 
 
 def _timeout_env(cluster: ClusterConfig) -> dict[str, str]:

@@ -10,7 +10,8 @@ Decisions (docs/design/devices.md has the measurements behind them):
 - CPU memory: the process's resident set (`/proc/self/status`: VmRSS, peak VmHWM), because CPU
   tensors have no allocator of their own to ask; 0.0 where /proc is absent.
 - Host threads: on CPU the learner ranks of a host share its cores (`share_host_threads`); on GPU
-  the thread count is left as the launcher set it.
+  the thread count is left as the launcher set it, and `cluster.pin_cores` puts each GPU's
+  processes on its block of the host's cores (`host_cores`, the rule in actors/host_cores.py).
 - Peak FLOP/s (`peak_flops(dtype)`): the dense matrix peak of the device (the denominator of MFU),
   from the vendors' data sheets by device name (`PEAK_TFLOPS`); None where unknown (CPUs, other
   GPUs), and then no MFU is reported rather than a guess.
@@ -29,10 +30,13 @@ Decisions (docs/design/devices.md has the measurements behind them):
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+
+from actors.host_cores import gpu_cores, host_gpu_ids
 
 _GIB = 2**30
 
@@ -89,6 +93,11 @@ class Device(Protocol):
         """Size this process's intra-op thread pool for `processes` busy processes on the host."""
         ...
 
+    def host_cores(self, host_gpus: Sequence[str]) -> list[int]:
+        """This process's GPUs' block of the host's cores among `host_gpus` (`actors.host_cores`);
+        [] where there is nothing to pin (a CPU run, whose threads `share_host_threads` sizes)."""
+        ...
+
     def peak_flops(self, dtype: str) -> float | None:
         """Dense matrix peak in FLOP/s for compute in `dtype` (`PEAK_TFLOPS`); None where unknown."""
         ...
@@ -128,6 +137,10 @@ class CudaDevice:
 
     def share_host_threads(self, processes: int) -> None:
         pass  # the GPU does the work; keep the launcher's thread count
+
+    def host_cores(self, host_gpus: Sequence[str]) -> list[int]:
+        # Ray sets CUDA_VISIBLE_DEVICES (HIP_VISIBLE_DEVICES) of an actor to the GPU ids it was given.
+        return gpu_cores(host_gpu_ids(os.environ, 0), host_gpus, sorted(os.sched_getaffinity(0)))
 
     def peak_flops(self, dtype: str) -> float | None:
         tflops = peak_tflops_for(torch.cuda.get_device_name(), dtype)
@@ -190,6 +203,9 @@ class CpuDevice:
         # unless RLHF_CPU_THREADS fixes the count (benchmarks with an equal thread budget per side).
         fixed = os.environ.get("RLHF_CPU_THREADS")
         torch.set_num_threads(int(fixed) if fixed else max(1, len(os.sched_getaffinity(0)) // max(1, processes)))
+
+    def host_cores(self, host_gpus: Sequence[str]) -> list[int]:
+        return []
 
     def peak_flops(self, dtype: str) -> float | None:
         return None  # CPU peaks depend on the ISA, the core count and the clock: no table

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from actors.device import detect
+from actors.host_cores import pin_process
 from actors.worker_setup import gc_paused
 from rlhf.config import GenerationConfig
 from rlhf.types import Completion, SamplingSpec
@@ -44,14 +45,16 @@ class HFGenerator:
 
     @gc_paused()  # start-up: see actors/worker_setup.py
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int,
-                 enable_sleep: bool, tensor_parallel_size: int = 1, engines_per_host: int = 1) -> None:
+                 enable_sleep: bool, tensor_parallel_size: int = 1, engines_per_host: int = 1,
+                 host_gpus: Sequence[str] = ()) -> None:
         """Same signature as VLLMGenerator; `cfg`, `enable_sleep`, `tensor_parallel_size` and
         `engines_per_host` have nothing to configure here (every sampling knob arrives with each
-        SamplingSpec)."""
+        SamplingSpec); `host_gpus` as there."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers import GenerationConfig as HFGenerationConfig
 
         self.device = detect()
+        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
         self.seed = seed
         self._calls = 0
         tokenizer = AutoTokenizer.from_pretrained(model_path)

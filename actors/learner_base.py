@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from actors.device import detect as detect_device
+from actors.host_cores import pin_process
 from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
@@ -122,12 +123,14 @@ class LearnerRank:
     rendezvous (`driver_store`: a TCPStore the driver serves there; else rank 0 serves it).
     `start_after`: Ray object refs (in a list, so Ray passes them unresolved) to wait for before
     touching the device; the process starts and imports its backend meanwhile (colocated GPU engines
-    start first: actors/cluster.py::build_cluster). The constructor runs with the GC paused."""
+    start first: actors/cluster.py::build_cluster). `host_gpus`: the node's GPU ids under
+    `cluster.pin_cores` (actors/host_cores.py), else empty. The constructor runs with the GC paused."""
 
     @gc_paused()
     def __init__(self, *, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                  model_cfg: ModelConfig, learner_cfg: LearnerConfig, temperature: float, with_reference: bool,
-                 seed: int, driver_store: bool = False, start_after: list | None = None) -> None:
+                 seed: int, driver_store: bool = False, start_after: list | None = None,
+                 host_gpus: Sequence[str] = ()) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401  (imported before the wait)
         from actors.actor_group import load_class
 
@@ -140,6 +143,7 @@ class LearnerRank:
         self.cfg, self.temperature = learner_cfg, temperature
         self.lora = learner_cfg.lora_rank > 0  # "LoRA" in the module docstring
         self.device = detect_device()
+        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(model_cfg.dtype)
         self._transports: dict[str, object] = {}

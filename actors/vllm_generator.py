@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from actors.device import Device, detect, isolate_cpu_compile_cache
+from actors.host_cores import pin_process
 from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
 from actors.worker_setup import gc_paused
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
@@ -68,13 +69,16 @@ class VLLMGenerator:
     @gc_paused()  # "Start-up GC" in the module docstring
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
                  tensor_parallel_size: int = 1, engines_per_host: int = 1,
-                 lora: LearnerConfig | None = None) -> None:
+                 lora: LearnerConfig | None = None, host_gpus: Sequence[str] = ()) -> None:
         """Start the engine on `model_path` (an HF folder). `dtype` is "float32" or "bfloat16";
         `enable_sleep` asks for vLLM's sleep mode (GPU only, ignored on CPU); `tensor_parallel_size`
         is `cluster.generator_tp` (vLLM then spawns one worker per GPU); `engines_per_host`: engines
         generating at the same time on this host, which split its cores on CPU ("In-process engine"); `lora`:
-        the learner's config when pushes carry LoRA adapters (`_serve_adapter`), else None."""
+        the learner's config when pushes carry LoRA adapters (`_serve_adapter`), else None;
+        `host_gpus`: the node's GPU ids under `cluster.pin_cores` (the engine, and the processes vLLM
+        starts, then run on its GPU's block of the node's cores), else empty."""
         self.device = detect()
+        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
         refuse_quantization(cfg, self.device)  # before vLLM fails on its own
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))

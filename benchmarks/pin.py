@@ -1,5 +1,5 @@
 """Run a command on its GPUs' share of the host's cores, as benchmark sides that run at once do
-(`benchmarks.run.side_cpus`: each GPU of the host owns an equal block of its cores):
+(`actors.host_cores.gpu_cores`: each GPU of the host owns an equal block of its cores):
 
     python -m benchmarks.pin 0 -- bash benchmarks/qwen_learn.sh _job gsm ...
     python -m benchmarks.pin --cores 0-15 -- COMMAND ...   # cores named (what benchmarks.run.pinned runs)
@@ -14,14 +14,14 @@ from __future__ import annotations
 import os
 import sys
 
-from benchmarks.run import cpu_list, gpu_query, parse_cpu_list, side_cpus
+from actors.host_cores import cpu_list, gpu_cores, parse_cpu_list
+from benchmarks.run import gpu_query
 
 
 def cores_for(gpus: list[str]) -> list[int]:
-    """The cores of `gpus` among this host's GPUs; [] = every core (no GPUs, or one of them)."""
+    """The cores of `gpus` among this host's GPUs; [] = every core (no GPUs, or every GPU of the host)."""
     host, cores = sorted(gpu_query("memory.total"), key=int), sorted(os.sched_getaffinity(0))
-    cpus = side_cpus([g for g in gpus if g in host], host, cores)
-    return [] if cpus == cores else cpus
+    return gpu_cores(gpus, host, cores)
 
 
 def main(argv: list[str]) -> None:

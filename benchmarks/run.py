@@ -18,7 +18,7 @@ Every side is its own process tree with its own local Ray (peak memory is per si
 All of them resolve the same RunConfig from the workload (benchmarks/workloads.py). On a GPU
 workload each side is pinned to its own GPU(s) (CUDA_VISIBLE_DEVICES): in turn, or with
 `--parallel` on a host with two or more GPUs, as many at a time as have disjoint GPUs (`waves`),
-each on its GPUs' share of the host's cores (`side_cpus`).
+each on its GPUs' share of the host's cores (`actors.host_cores.gpu_cores`).
 
 Output: a markdown table (median steady-state step time and phases, tokens/s, weight sync, peak
 memory, reward per step, and ours/TRL for each), and one JSON line appended to
@@ -52,6 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from actors.host_cores import cpu_list, gpu_cores  # noqa: E402
 from benchmarks.summary import (  # noqa: E402
     TUNED,
     build_record,
@@ -396,26 +397,8 @@ def side_master_port(env: dict[str, str], gpus: list[str]) -> dict[str, str]:
     return {"MASTER_PORT": str(29500 + 10 * int(gpus[0]))}
 
 
-def side_cpus(gpus: list[str], visible: list[str], cores: list[int]) -> list[int]:
-    """The host cores of a side that runs beside others: each visible GPU owns an equal block of
-    `cores` (64 cores and 4 GPUs: 16 each, what a one-GPU machine of that family has), a side the
-    blocks of its GPUs. Without pinning, one side's busy or spinning threads (OpenMP, compile
-    workers) slowed the others' host-bound decode by half on a 4-GPU host. [] = not pinned."""
-    if not gpus or len(visible) < 2 or len(cores) < len(visible):
-        return []
-    n, k = len(cores), len(visible)
-    return sorted(c for g in gpus for c in cores[visible.index(g) * n // k:(visible.index(g) + 1) * n // k])
 
 
-def cpu_list(cpus: list[int]) -> str:
-    """`[0, 1, 2, 5]` -> "0-2,5" (taskset's notation)."""
-    spans: list[list[int]] = []
-    for c in sorted(cpus):
-        if spans and c == spans[-1][1] + 1:
-            spans[-1][1] = c
-        else:
-            spans.append([c, c])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def side_env(env: dict[str, str], gpus: list[str], *, pin: bool) -> dict[str, str]:
@@ -423,15 +406,11 @@ def side_env(env: dict[str, str], gpus: list[str], *, pin: bool) -> dict[str, st
     running at the same time), BENCH_CPUS: the cores `launch` confines the side's process tree to."""
     if not gpus:
         return dict(env)
-    cpus = side_cpus(gpus, visible_gpus(env), sorted(os.sched_getaffinity(0))) if pin else []
+    cpus = gpu_cores(gpus, visible_gpus(env), sorted(os.sched_getaffinity(0))) if pin else []
     return {**env, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **side_master_port(env, gpus),
             **({"BENCH_CPUS": cpu_list(cpus)} if cpus else {})}
 
 
-def parse_cpu_list(spec: str) -> list[int]:
-    """"0-2,5" -> `[0, 1, 2, 5]`: the inverse of `cpu_list`."""
-    spans = (p.partition("-") for p in spec.split(",") if p)
-    return sorted({c for a, _, b in spans for c in range(int(a), int(b or a) + 1)})
 
 
 def pinned(cmd: list[str], cpus: str | None) -> list[str]:
@@ -443,7 +422,7 @@ def pinned(cmd: list[str], cpus: str | None) -> list[str]:
 def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,
              workdir: Path, env: dict[str, str], pin: bool = False) -> dict[str, Any]:
     """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own;
-    with `pin`, on its GPUs' share of the host's cores (`side_cpus`)."""
+    with `pin`, on its GPUs' share of the host's cores (`gpu_cores`)."""
     side_dir = workdir / w.name / side
     shutil.rmtree(side_dir, ignore_errors=True)
     sw, overrides = side_plan(w, side, str(side_dir / "run"), model_path)

@@ -321,13 +321,11 @@ class LearnerConfig:
     """LoRA scaling numerator: the update is (alpha / rank) * B @ A."""
     lora_dropout: float = 0.0
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """Module names (or suffixes) that get adapters; `all-linear`: every linear layer of the decoder
-    (not the LM head)."""
+    """Module names (or suffixes) that get adapters; `all-linear`: every decoder linear, not the head."""
     lora_sync: Literal["auto", "adapter", "merged"] = "auto"
     """What a weight push sends to vLLM: the adapter tensors only (vLLM serves them with LoRA on), or
-    the base weights with the adapter merged in (no LoRA kernels in the engine). `auto`: `adapter`
-    where vLLM can serve this model's adapters on this machine, else `merged` (settled before start-up,
-    the reason printed once)."""
+    the base weights with the adapter merged in (no LoRA kernels in the engine). `auto`: `adapter` where
+    vLLM can serve this model's adapters on this machine, else `merged` (settled before start-up)."""
     deepspeed_config: str | None = None
     """DeepSpeed only: a JSON file merged over the generated DeepSpeed config (batch sizes and the
     ZeRO stage stay the learner's), for users bringing their OpenRLHF/TRL settings."""
@@ -370,6 +368,9 @@ class ClusterConfig:
     learner, engine or reward worker ends the run within this many seconds, naming the actor."""
     address: str | None = None
     """Ray address to join; None joins RAY_ADDRESS if set, else starts a local instance."""
+    pin_cores: bool = False
+    """GPU runs: each engine and learner rank (and what it starts) runs on its GPU's block of the node's
+    cores (actors/host_cores.py), the node's GPU ids taken as the driver's. No effect on CPU."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,18 +248,7 @@ def test_sides_at_once_get_their_own_rendezvous_port():
 
 
 # ---------------------------------------------------------------------------------------------
-# Host cores: sides at once each on their GPUs' share (four sides at once on a 4-GPU host slowed our
-# host-bound decode from 7.9 to 12.0 s a step)
-
-
-def test_each_gpu_owns_an_equal_block_of_the_host_cores():
-    four = ["0", "1", "2", "3"]
-    assert run.side_cpus(["1"], four, list(range(64))) == list(range(16, 32))
-    assert run.side_cpus(["0", "1"], four, list(range(64))) == list(range(32))
-    assert run.side_cpus(["3"], ["2", "3"], list(range(8))) == [4, 5, 6, 7]  # by place among the visible GPUs
-    assert run.side_cpus(["0"], ["0"], list(range(64))) == []  # alone on the host: every core
-    assert run.side_cpus(["1"], four, [0, 1]) == []  # fewer cores than GPUs: no pinning
-    assert run.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and run.cpu_list([3]) == "3"
+# Host cores: sides at once each on their GPUs' share (the rule itself: tests/unit/test_host_cores.py)
 
 
 def test_side_env_pins_only_when_asked(monkeypatch):
@@ -279,12 +268,6 @@ def test_a_pinned_command_and_the_processes_it_starts_run_on_its_cores(tmp_path)
     out = subprocess.run(run.pinned(cmd, str(core)), capture_output=True, text=True, check=True, cwd=run.REPO).stdout
     assert out.splitlines() == [f"[pin] cores {core}", f"[{core}]", f"[{core}]"]
     assert run.pinned(cmd, None) == cmd and run.pinned(cmd, "") == cmd
-
-
-def test_a_core_list_reads_back_as_its_cores():
-    for cores in ([0], [0, 1, 2, 5], [3, 4, 8, 9, 10, 63]):
-        assert run.parse_cpu_list(run.cpu_list(cores)) == cores
-    assert run.parse_cpu_list("0-2,5") == [0, 1, 2, 5]
 
 
 def test_launch_runs_a_side_on_its_cores_and_records_them(monkeypatch, tmp_path):

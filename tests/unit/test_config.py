@@ -46,7 +46,7 @@ ALLOWED_KEYS = {
     "grpo.max_sampling_rounds",
     "eval.n", "eval.k", "eval.temperature", "eval.max_new_tokens", "eval.num_prompts",
     "cluster.placement", "cluster.generator_engines", "cluster.generator_tp", "cluster.weight_sync",
-    "cluster.placement_strategy", "cluster.timeout_s", "cluster.address",
+    "cluster.placement_strategy", "cluster.timeout_s", "cluster.address", "cluster.pin_cores",
     "logging.backends", "logging.project", "logging.verbose",
     "env.tools", "env.environment", "env.max_turns", "env.tool_timeout_s", "env.max_tool_output_chars",
 }

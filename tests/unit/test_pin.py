@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from actors.host_cores import gpu_cores
 from benchmarks import pin
-from benchmarks.run import side_cpus
 
 REPO = Path(__file__).resolve().parents[2]
 AFFINITY = "import os; print(sorted(os.sched_getaffinity(0)))"
@@ -33,7 +33,7 @@ def run_pinned(gpus: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 def test_a_job_on_one_of_the_hosts_gpus_runs_on_that_gpus_cores(tmp_path):
     cores = sorted(os.sched_getaffinity(0))
-    want = side_cpus(["1"], ["0", "1"], cores) or cores  # one core here: nothing to split
+    want = gpu_cores(["1"], ["0", "1"], cores) or cores  # one core here: nothing to split
     out = run_pinned("1", fake_nvidia_smi(tmp_path, 2)).stdout.splitlines()
     assert out[-1] == str(want)
     if want != cores:
