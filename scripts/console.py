@@ -30,6 +30,11 @@ from pathlib import Path
 from actors.worker_setup import LOG_DIR_ENV, setup_worker_process, silence_harmless_warnings
 from rlhf.config import RunConfig
 
+WORKER_NICENESS = "RAY_worker_niceness"
+"""Ray starts its workers, so every actor of a run, at niceness 15: any busy process at the default 0
+then takes ~30x their CPU share. A run's actors are its workload, so its runtime environment starts
+them at 0, as Ray does for a job's own supervisor actor (docs/testing.md has the measurement)."""
+
 RAY_MARKERS = (":job_id:", ":task_name:", ":actor_name:")
 """Lines Ray writes into a worker's output to tell its log monitor what runs there."""
 DRIVER_LOGGERS = ("ray", "vllm", "transformers", "deepspeed", "torch", "accelerate", "py.warnings")
@@ -63,7 +68,7 @@ def ray_init_kwargs(logs: Path, *, verbose: bool, local: bool | None = None) -> 
     process listens on loopback only (`keep_local_ray_on_loopback`) and that serves no dashboard
     web UI / Jobs API on port 8265 (a local run needs none; `ray job submit` needs one, on a head
     the user starts, see scripts/submit.sh)."""
-    env = {} if verbose else {LOG_DIR_ENV: str(logs.resolve())}
+    env = {WORKER_NICENESS: "0", **({} if verbose else {LOG_DIR_ENV: str(logs.resolve())})}
     hook = f"{setup_worker_process.__module__}.setup_worker_process"
     kwargs = dict(log_to_driver=verbose, runtime_env={"worker_process_setup_hook": hook, "env_vars": env})
     if local is None:

@@ -65,10 +65,26 @@ def test_run_feeds_every_tracker(quiet_run):
 def test_verbose_keeps_worker_output_on_the_terminal(tmp_path):
     quiet, verbose = ray_init_kwargs(tmp_path, verbose=False), ray_init_kwargs(tmp_path, verbose=True)
     assert quiet["log_to_driver"] is False
-    assert quiet["runtime_env"]["env_vars"] == {"RLHF_LOG_DIR": str(tmp_path)}
-    assert verbose["log_to_driver"] is True and verbose["runtime_env"]["env_vars"] == {}
+    assert quiet["runtime_env"]["env_vars"] == {"RLHF_LOG_DIR": str(tmp_path), "RAY_worker_niceness": "0"}
+    assert verbose["log_to_driver"] is True and verbose["runtime_env"]["env_vars"] == {"RAY_worker_niceness": "0"}
     with driver_logs_to_file(tmp_path, verbose=True):
         assert not (tmp_path / "driver.log").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_a_runs_workers_are_not_niced(tmp_path):
+    """Ray starts workers at niceness 15, where any busy process at 0 starves them (scripts/console.py,
+    WORKER_NICENESS): a run's actors and tasks get the driver's 0."""
+    import os
+
+    import ray
+
+    ray.init(num_cpus=1, **ray_init_kwargs(tmp_path, verbose=True, local=True))
+    try:
+        assert ray.get(ray.remote(num_cpus=0.5)(lambda: os.nice(0)).remote(), timeout=120) == os.nice(0) == 0
+    finally:
+        ray.shutdown()
 
 
 def test_driver_library_logs_go_to_the_file_and_come_back(tmp_path, capsys):
