@@ -54,7 +54,7 @@ class HFGenerator:
         from transformers import GenerationConfig as HFGenerationConfig
 
         self.device = detect()
-        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
+        pin_process(self.device.host_cores(host_gpus))
         self.seed = seed
         self._calls = 0
         tokenizer = AutoTokenizer.from_pretrained(model_path)

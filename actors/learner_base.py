@@ -143,7 +143,7 @@ class LearnerRank:
         self.cfg, self.temperature = learner_cfg, temperature
         self.lora = learner_cfg.lora_rank > 0  # "LoRA" in the module docstring
         self.device = detect_device()
-        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
+        pin_process(self.device.host_cores(host_gpus))
         self.model_config = AutoConfig.from_pretrained(model_path)  # model FLOPs for perf/ metrics
         self.peak_flops = self.device.peak_flops(model_cfg.dtype)
         self._transports: dict[str, object] = {}

@@ -78,7 +78,7 @@ class VLLMGenerator:
         `host_gpus`: the node's GPU ids under `cluster.pin_cores` (the engine, and the processes vLLM
         starts, then run on its GPU's block of the node's cores), else empty."""
         self.device = detect()
-        pin_process(self.device.host_cores(host_gpus) if host_gpus else [])
+        pin_process(self.device.host_cores(host_gpus))
         refuse_quantization(cfg, self.device)  # before vLLM fails on its own
         if lora is not None:  # rather than an engine that aborts during its warm-up
             refuse_adapter_serving(lora_serving_problem(model_path, lora.lora_rank, on_cpu=self.device.kind == "cpu"))
