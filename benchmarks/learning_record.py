@@ -137,15 +137,24 @@ def header(run: Run, baseline: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def reached(curves: dict[str, list[list[float]]], baseline: dict[str, Any]) -> dict[str, Any]:
-    """Training seconds to the baseline record's final pass@1, here and in the baseline, and the speed-up."""
+    """Training seconds to the baseline record's final pass@1, here and in the baseline, and the speed-up.
+    A run that ends below that figure (a few points are noise on 256 problems) also gets `common`: the
+    same for the lower of the two final figures, which both runs reach."""
     key = pass1_key(baseline["eval"])
     if key is None or key not in curves:
         raise SystemExit(f"the baseline {baseline.get('record')} and this run share no pass@1 figure")
-    target = baseline["eval"][key]["end"]
-    here, there = reach(curves[key], target), reach(baseline["eval"][key]["points"], target)
-    return {"baseline": baseline.get("record"), "baseline_gpus": baseline.get("gpus"), "figure": key,
-            "target": target, "seconds": here, "baseline_seconds": there,
-            "speedup": round(there / here, 3) if here and there else None}
+    points = baseline["eval"][key]["points"]
+
+    def timing(target: float) -> dict[str, Any]:
+        here, there = reach(curves[key], target), reach(points, target)
+        return {"target": target, "seconds": here, "baseline_seconds": there,
+                "speedup": round(there / here, 3) if here and there else None}
+
+    out = {"baseline": baseline.get("record"), "baseline_gpus": baseline.get("gpus"), "figure": key,
+           **timing(baseline["eval"][key]["end"])}
+    if out["seconds"] is None:
+        out["common"] = timing(min(out["target"], curves[key][-1][1]))
+    return out
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:

@@ -92,6 +92,22 @@ def test_the_time_to_the_baselines_final_pass1_and_the_speedup(tmp_path: Path):
                                "speedup": round(24 / 9, 3)}
 
 
+def test_a_run_ending_below_the_baselines_final_pass1_is_timed_to_the_lower_final(tmp_path: Path):
+    one = make_run(tmp_path / "gsm", grpo_records([0.2, 0.45]), recipe=ONE_GPU,
+                   exit_={"rc": 0, "ended": 1400.0})
+    baseline, _ = write_record(Run.load(one), tmp_path / "docs")
+    four = make_run(tmp_path / "gsm-4gpu", grpo_records([0.2, 0.43], step_s=2.5), recipe=FOUR_GPUS, gpus=4,
+                    exit_={"rc": 0, "ended": 1100.0})
+    assert main(["record", str(four), "--docs", str(tmp_path / "docs"), "--baseline", str(baseline)]) == 0
+    out = tmp_path / "docs" / "grpo_gsm8k_qwen2.5-coder-0.5b_4gpu_metrics.jsonl"
+    reached = json.loads(out.read_text().splitlines()[0])["reached"]
+    assert (reached["target"], reached["seconds"], reached["baseline_seconds"], reached["speedup"]) == \
+        (0.45, None, 24.0, None)
+    # 0.43 is reached here after 9 s and in the baseline at its last evaluation, 24 s
+    assert reached["common"] == {"target": 0.43, "seconds": 9.0, "baseline_seconds": 24.0,
+                                 "speedup": round(24 / 9, 3)}
+
+
 def test_a_dpo_record_is_named_apart_from_the_pass1_records_and_evaluates_after_its_steps(tmp_path: Path):
     records = [
         {"step": -1, "eval/reward_accuracy": 0.0, "eval/logp_accuracy": 0.1, "eval/margin": 0.0},
