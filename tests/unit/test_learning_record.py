@@ -77,15 +77,21 @@ def test_a_grpo_record_names_the_gpu_commit_and_times_and_keeps_the_runs_lines(t
     assert "reached" not in head
 
 
-def test_the_time_to_the_baselines_final_pass1_and_the_speedup(tmp_path: Path):
+def four_gpu_head(tmp_path: Path, final_pass1: float) -> dict:
+    """The record's first line of a 4-GPU run (steps 2.5 s, pass@1 0.2 -> `final_pass1`) against a
+    one-GPU baseline (steps 10 s, pass@1 0.2 -> 0.45)."""
     one = make_run(tmp_path / "gsm", grpo_records([0.2, 0.45]), recipe=ONE_GPU,
                    exit_={"rc": 0, "ended": 1400.0})
     baseline, _ = write_record(Run.load(one), tmp_path / "docs")
-    four = make_run(tmp_path / "gsm-4gpu", grpo_records([0.2, 0.5], step_s=2.5), recipe=FOUR_GPUS, gpus=4,
-                    exit_={"rc": 0, "ended": 1100.0})
+    four = make_run(tmp_path / "gsm-4gpu", grpo_records([0.2, final_pass1], step_s=2.5), recipe=FOUR_GPUS,
+                    gpus=4, exit_={"rc": 0, "ended": 1100.0})
     assert main(["record", str(four), "--docs", str(tmp_path / "docs"), "--baseline", str(baseline)]) == 0
     out = tmp_path / "docs" / "grpo_gsm8k_qwen2.5-coder-0.5b_4gpu_metrics.jsonl"
-    head = json.loads(out.read_text().splitlines()[0])
+    return json.loads(out.read_text().splitlines()[0])
+
+
+def test_the_time_to_the_baselines_final_pass1_and_the_speedup(tmp_path: Path):
+    head = four_gpu_head(tmp_path, 0.5)
     assert head["gpus"] == 4 and head["train_s"] == 9.0
     assert head["reached"] == {"baseline": "grpo_gsm8k_qwen2.5-coder-0.5b_1gpu", "baseline_gpus": 1,
                                "figure": PASS1, "target": 0.45, "seconds": 9.0, "baseline_seconds": 24.0,
@@ -93,14 +99,7 @@ def test_the_time_to_the_baselines_final_pass1_and_the_speedup(tmp_path: Path):
 
 
 def test_a_run_ending_below_the_baselines_final_pass1_is_timed_to_the_lower_final(tmp_path: Path):
-    one = make_run(tmp_path / "gsm", grpo_records([0.2, 0.45]), recipe=ONE_GPU,
-                   exit_={"rc": 0, "ended": 1400.0})
-    baseline, _ = write_record(Run.load(one), tmp_path / "docs")
-    four = make_run(tmp_path / "gsm-4gpu", grpo_records([0.2, 0.43], step_s=2.5), recipe=FOUR_GPUS, gpus=4,
-                    exit_={"rc": 0, "ended": 1100.0})
-    assert main(["record", str(four), "--docs", str(tmp_path / "docs"), "--baseline", str(baseline)]) == 0
-    out = tmp_path / "docs" / "grpo_gsm8k_qwen2.5-coder-0.5b_4gpu_metrics.jsonl"
-    reached = json.loads(out.read_text().splitlines()[0])["reached"]
+    reached = four_gpu_head(tmp_path, 0.43)["reached"]
     assert (reached["target"], reached["seconds"], reached["baseline_seconds"], reached["speedup"]) == \
         (0.45, None, 24.0, None)
     # 0.43 is reached here after 9 s and in the baseline at its last evaluation, 24 s
