@@ -153,9 +153,19 @@ def test_nvidia_smi_per_gpu_parsing_and_peaks():
 
 
 def test_launch_keeps_the_peak_of_each_gpu_it_was_given(monkeypatch, tmp_path):
-    samples = iter([{"0": 70.0, "1": 3.0}, {"0": 71.0, "1": 9.0}, {"0": 72.0, "1": 6.0}])
-    monkeypatch.setattr(run, "gpu_query", lambda field: next(samples, {"0": 72.0, "1": 6.0}))
-    out = run.launch([sys.executable, "-c", "import time; time.sleep(0.5)"], env={"CUDA_VISIBLE_DEVICES": "1"},
+    """The side ends only once all three samples were taken (it waits for the flag the fourth query
+    leaves), so the peak is the same however busy the machine is."""
+    samples, flag = iter([{"0": 70.0, "1": 3.0}, {"0": 71.0, "1": 9.0}, {"0": 72.0, "1": 6.0}]), tmp_path / "sampled"
+
+    def gpu_query(field: str) -> dict[str, float]:
+        sample = next(samples, None)
+        if sample is None:
+            flag.touch()
+        return sample or {"0": 72.0, "1": 6.0}
+
+    monkeypatch.setattr(run, "gpu_query", gpu_query)
+    wait = f"import os, time\nwhile not os.path.exists({str(flag)!r}): time.sleep(0.01)"
+    out = run.launch([sys.executable, "-c", wait], env={"CUDA_VISIBLE_DEVICES": "1"},
                      log=tmp_path / "log.txt", metrics=None, timeout=60, poll_s=0.05)
     assert out["returncode"] == 0
     assert out["peak_gpu_gib_per_gpu"] == {"1": 9.0} and out["peak_gpu_gib"] == 9.0  # GPU 0's 72 GiB is not its
