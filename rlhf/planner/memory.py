@@ -11,9 +11,9 @@ Decisions, each a section of docs/design/memory-planner.md (the formulas, and th
 the fitted terms rest on):
 - Memory model: per GPU, the backend's weights, masters, gradients and Adam state by sharding mode,
   a reference copy where `rlhf.rules.holds_reference_model`, activations per token per layer
-  (b * (11h + 4f + 2a) fitted for eager layers, counted for Liger's) and the LM head's working set
-  (rlhf.planner.activations), ZeRO-3's buffers, vLLM's weights and KV cache, a CUDA context per
-  process and a 10% fragmentation margin.
+  (b * (11h + 4f + 2a) fitted for eager layers, 2h less under LoRA, counted for Liger's) and the LM
+  head's working set (rlhf.planner.activations), ZeRO-3's buffers, vLLM's weights and KV cache, a
+  CUDA context per process and a 10% fragmentation margin.
 - Phases: colocated, vLLM sleeps (level 2) while the learner trains and the learner's state stays
   while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side. A
   reward worker with a device share (`reward_memory`) scores beside the awake engine (colocated,

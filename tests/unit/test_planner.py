@@ -143,6 +143,29 @@ def test_liger_layers_keep_the_tensors_counted_and_eager_layers_the_fitted_count
     liger = 6 * 1536 + 2 * 256 + 3 * 8960 + 2 * 12
     assert layer_activations(LearnerConfig(liger=True), shape) == liger == 36632
     assert layer_activations(LearnerConfig(), shape) == 11 * 1536 + 4 * 8960 + 2 * 12
+    # LoRA freezes both RMSNorm weights: their normed inputs (2h) are not kept; Liger keeps its inputs anyway
+    assert layer_activations(LearnerConfig(lora_rank=16), shape) == 9 * 1536 + 4 * 8960 + 2 * 12
+    assert layer_activations(LearnerConfig(liger=True, lora_rank=16), shape) == liger
+
+
+# The GPU suite's planned GRPO runs (tests/gpu/test_grpo_gpu.py, SmolLM2-135M, full-length rows; records in
+# benchmarks/results/gpu-acceptance.jsonl): measured `memory/learner_peak_gib` by GPU, backend and tokens per
+# micro-batch. The H200's LoRA runs read 0.85 of the 11h prediction (outside the suite's 10%) at 1e76fb7.
+SUITE_PEAKS = [
+    ("h100-80gb", "fsdp2", 256, 47.81), ("h100-80gb", "zero2", 256, 42.88), ("h100-80gb", "zero3", 256, 44.41),
+    ("h200-141gb", "fsdp2", 512, 86.42), ("h200-141gb", "zero2", 512, 78.36), ("h200-141gb", "zero3", 512, 80.06),
+]
+SUITE_RUNS = {"fsdp2": ["learner.backend=fsdp2"],
+              "zero2": ["learner.backend=deepspeed", "learner.zero_stage=2", "learner.lora_rank=16"],
+              "zero3": ["learner.backend=deepspeed", "learner.zero_stage=3", "learner.lora_rank=16"]}
+
+
+@pytest.mark.parametrize("kind, run, rows, measured", SUITE_PEAKS)
+def test_the_gpu_suites_measured_learner_peaks_are_predicted_within_its_tolerance(kind, run, rows, measured):
+    cfg = load_config(ROOT / "tests/gpu/grpo_suite.yaml",
+                      [*SUITE_RUNS[run], f"learner.micro_batch_size={rows}", f"learner.max_tokens_per_micro_batch={rows * 256}"])
+    predicted = breakdown(cfg, model_shape(cfg.model.path), gpu_kind(kind)).learner_peak
+    assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)  # tests/gpu's PEAK_TOLERANCE
 
 
 @pytest.mark.parametrize("kernels", ["eager", "fused"])
@@ -291,7 +314,7 @@ def test_gpu_table_agrees_with_the_device_peaks():
 SEVEN_B = ROOT / "configs/grpo_gsm8k_qwen2.5-7b_1gpu.yaml"
 
 
-@pytest.mark.parametrize("kind, need, peak", [("h100-80gb", 78.0, 59.6), ("h200-141gb", 123.7, 107.2)])
+@pytest.mark.parametrize("kind, need, peak", [("h100-80gb", 78.0, 58.8), ("h200-141gb", 119.1, 102.6)])
 def test_the_7b_one_gpu_recipe_fits_one_h100_and_one_h200_as_its_comment_says(kind: str, need: float, peak: float):
     cfg, pinned = load_config(SEVEN_B), explicit_keys(SEVEN_B)
     plan = make_plan(cfg, model_shape(cfg.model.path), gpu_kind(kind), pinned)
