@@ -19,8 +19,9 @@ Decisions (each a config key; docs/design/grpo-loop.md gives the reasons):
   k+s while the learners train on step k, and the loop waits for them before pushing weights; stale
   samples are corrected by importance weights (`grpo.is_correction`).
 - DAPO sampling (rlhf.sampling), off by default: `grpo.dynamic_sampling` and `grpo.overlong`.
-- Flat rewards warning: a step whose groups all scored one reward each cannot move the policy, so
-  in a run's first steps it is said at once, with its likeliest cause (`flat_rewards_warning`).
+- Learning-signal watch (`SignalWatch`): a step whose groups all scored one reward each cannot move
+  the policy, so in a run's first steps it is said at once, with its likeliest cause; later, a stall
+  (few informative groups for several steps in a row) is said once, until the signal comes back.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     log = MetricsLogger(cfg.output_dir, total_steps=total, start_step=start, desc="grpo")
     reward_health = RewardHealth(cfg.reward.max_failed_steps)
     train_health = TrainHealth.from_config(cfg)
+    signal_watch = SignalWatch(start, cfg.generation.max_new_tokens)
     for step in range(start, cfg.grpo.steps):
         evals = evaluate_if_due(evaluator, cluster.generator, step, cfg.eval_every)
         timer, t0 = PhaseTimer(), time.perf_counter()
@@ -74,8 +76,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         rollouts, sampling_metrics = collect_rollouts(step, rollout_queue, cluster.rewards, cfg, timer)
         reward_health.check(rollouts.reward_metrics)
         signal = learning_signal(rollouts)
-        if signal["reward/informative_frac"] == 0 and step < start + FLAT_WARNING_STEPS:
-            log.warn(flat_rewards_warning(step, rollouts, cfg.generation.max_new_tokens))
+        if warning := signal_watch.check(step, rollouts, signal["reward/informative_frac"]):
+            log.warn(warning)
         advantages = grpo_advantages(rollouts.rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std)
         batch, overlong_metrics = filter_overlong(
             rollouts_to_batch(rollouts, advantages, tokenizer.pad_token_id), rollouts, cfg.grpo)
@@ -99,6 +101,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
 
 
 FLAT_WARNING_STEPS = 3  # flat rewards warning: the first steps of a run (or of a resumed part) are checked
+STALL_STEPS, STALL_FRAC = 5, 0.05  # a stall: this many steps in a row with under this share of informative groups
 
 
 def learning_signal(rollouts: RolloutBatch) -> dict[str, float]:
@@ -124,6 +127,44 @@ def flat_rewards_warning(step: int, rollouts: RolloutBatch, max_new_tokens: int)
                  "or turn on grpo.dynamic_sampling")
     return (f"warning: step {step}: no learning signal, all {groups} groups scored one reward each (mean "
             f"{float(r.mean()):.3g}), so every advantage is 0 and this update cannot change the policy; {cause}")
+
+
+class SignalWatch:
+    """Which steps' learning signal is worth a line on the terminal ("Learning-signal watch"): each of
+    the first FLAT_WARNING_STEPS steps of a run (or of a resumed part) with no informative group; and
+    a stall, the signal lost after it was there: STALL_STEPS steps in a row under STALL_FRAC after a
+    step at or above it, said once, and again only after the next such step. A collapsed run (every
+    group alike on short answers) is said mid-run this way, not found in the metrics after it ends;
+    a hard task's sparse first steps are not a stall."""
+
+    def __init__(self, start: int, max_new_tokens: int):
+        self.start, self.max_new_tokens = start, max_new_tokens
+        self.low: list[float] = []  # informative_frac of the current run of low steps
+        self.seen = self.said = False
+
+    def check(self, step: int, rollouts: RolloutBatch, informative_frac: float) -> str | None:
+        if informative_frac >= STALL_FRAC:
+            self.low, self.seen, self.said = [], True, False
+        elif self.seen:
+            self.low.append(informative_frac)
+        if informative_frac == 0 and step < self.start + FLAT_WARNING_STEPS:
+            return flat_rewards_warning(step, rollouts, self.max_new_tokens)
+        if len(self.low) < STALL_STEPS or self.said:
+            return None
+        self.said = True
+        return stall_warning(step, rollouts, self.low)
+
+
+def stall_warning(step: int, rollouts: RolloutBatch, fracs: list[float]) -> str:
+    """One line for a stall ("Learning-signal watch"): how long, the reward and response length the
+    policy settled on, and the settings that bring variety back."""
+    lengths = [len(c.token_ids) for c in rollouts.completions]
+    return (f"warning: step {step}: learning has stalled: under {STALL_FRAC:.0%} of groups scored more than one "
+            f"reward on each of the last {len(fracs)} steps (mean {sum(fracs) / len(fracs):.1%}; reward mean "
+            f"{float(rollouts.rewards.mean()):.3g}, responses {sum(lengths) / len(lengths):.0f} tokens on average), "
+            "so the updates barely move the policy; more variety or a slower update may bring the signal back: "
+            "raise generation.temperature or grpo.group_size, lower learner.lr, set grpo.kl_coef > 0, or turn on "
+            "grpo.dynamic_sampling")
 
 
 class RewardFailure(RunError):

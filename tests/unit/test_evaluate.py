@@ -259,11 +259,12 @@ def test_run_grpo_logs_eval_at_step_0_every_n_steps_and_after_the_last(tmp_path,
 def test_run_grpo_says_at_once_when_no_group_can_learn(tmp_path, tokenizer, capsys):
     """Every response of the first two steps scores 0 ("no idea"), and from weight version 2 on every
     one scores 1: no group ever holds two rewards. Each of the first steps says so on the terminal,
-    with the cause, and every record carries `reward/informative_frac` = 0."""
+    with the cause; no stall is said (a stall is a signal lost, and this run never had one); every
+    record carries `reward/informative_frac` = 0."""
     from rlhf.grpo import FLAT_WARNING_STEPS, run_grpo
 
     cfg = load_config(None, [f"output_dir={tmp_path}", "data.task=arithmetic", "data.num_train=16", "data.num_eval=2",
-                             "grpo.steps=4", "grpo.prompts_per_step=2", "grpo.group_size=2",
+                             "grpo.steps=6", "grpo.prompts_per_step=2", "grpo.group_size=2",
                              "reward.functions=[{function: 'rewards.tasks:arithmetic'}]"])
     rows, ids, _ = tokenize_prompts(load_prompts(cfg.data, "train"), tokenizer, cfg.data)
     policy = Policy({tuple(i): row.answer for row, i in zip(rows, ids)}, tokenizer)
@@ -274,7 +275,29 @@ def test_run_grpo_says_at_once_when_no_group_can_learn(tmp_path, tokenizer, caps
     assert [line.split(":")[1].strip() for line in warned] == [f"step {s}" for s in range(FLAT_WARNING_STEPS)]
     assert "all 2 groups scored one reward each (mean 0)" in warned[0] and "every response scored 0" in warned[0]
     assert "every response scored 1" in warned[2]
-    assert [r["reward/informative_frac"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0] * 4
+    assert "learning has stalled" not in out.out + out.err
+    assert [r["reward/informative_frac"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0] * 6
+
+
+def test_signal_watch_says_each_stall_once_and_again_after_the_signal_came_back():
+    """informative_frac per step from step 10 (a resumed part): 0 and sparse at first (flat-rewards
+    lines for the first FLAT_WARNING_STEPS, no stall: the signal was never there), one healthy step,
+    a stall said on its STALL_STEPS-th low step and not repeated, a step at exactly STALL_FRAC
+    (healthy), then a second stall said again."""
+    from rlhf.grpo import FLAT_WARNING_STEPS, STALL_FRAC, STALL_STEPS, SignalWatch
+    from rlhf.types import RolloutBatch
+
+    batch = RolloutBatch(rows=[None, None], prompt_ids=[[1], [2]], group_size=2,
+                         completions=[Completion([5] * n, [-1.0] * n, "stop") for n in (10, 20, 30, 40)],
+                         rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    fracs = [0.0] * 3 + [0.01] * 3 + [0.3] + [0.0] * 7 + [STALL_FRAC] + [0.04, 0.0, 0.01, 0.0, 0.02, 0.0]
+    watch = SignalWatch(start=10, max_new_tokens=64)
+    lines = {10 + i: watch.check(10 + i, batch, f) for i, f in enumerate(fracs)}
+    said = {step: line.split(": ", 2)[2][:21] for step, line in lines.items() if line}
+    assert said == {**{10 + i: "no learning signal, a" for i in range(FLAT_WARNING_STEPS)},
+                    16 + STALL_STEPS: "learning has stalled:", 24 + STALL_STEPS: "learning has stalled:"}
+    assert lines[29].startswith("warning: step 29: learning has stalled: under 5% of groups")
+    assert "last 5 steps (mean 1.4%; reward mean 0.5, responses 25 tokens" in lines[29]
 
 
 @pytest.mark.parametrize(("rewards", "finish", "cause"), [
@@ -294,6 +317,21 @@ def test_flat_rewards_warning_names_the_likeliest_cause(rewards, finish, cause):
     mixed = RolloutBatch(rows=[None, None], prompt_ids=[[1], [2]], group_size=2,
                          completions=batch.completions, rewards=torch.tensor([0.0, 1.0, 1.0, 1.0]))
     assert learning_signal(mixed) == {"reward/informative_frac": 0.5}
+
+
+def test_signal_watch_replayed_on_the_countdown_collapse_says_it_once_at_step_21():
+    """docs/grpo_countdown_qwen2.5-coder-0.5b_1gpu_metrics.jsonl (H100, 2026-11-28): sparse steps 0-4,
+    learning from step 5, then a collapse from step 17 on; the watch says it at step 21 and only then."""
+    from rlhf.grpo import SignalWatch
+    from rlhf.types import RolloutBatch
+
+    path = ROOT / "docs/grpo_countdown_qwen2.5-coder-0.5b_1gpu_metrics.jsonl"
+    fracs = {r["step"]: r["reward/informative_frac"] for r in read_metrics(path) if "reward/informative_frac" in r}
+    batch = RolloutBatch(rows=[None], prompt_ids=[[1]], group_size=2, rewards=torch.tensor([1.0, 1.0]),
+                         completions=[Completion([5] * 16, [-1.0] * 16, "stop")] * 2)
+    watch = SignalWatch(start=0, max_new_tokens=512)
+    said = [step for step in sorted(fracs) if watch.check(step, batch, fracs[step])]
+    assert len(fracs) == 40 and said == [21]
 
 
 # ---------------------------------------------------------------------------------------------
