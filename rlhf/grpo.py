@@ -101,7 +101,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
 
 
 FLAT_WARNING_STEPS = 3  # flat rewards warning: the first steps of a run (or of a resumed part) are checked
-STALL_STEPS, STALL_FRAC = 5, 0.05  # a stall: this many steps in a row with under this share of informative groups
+STALL_STEPS, STALL_FRAC = 5, 0.05  # a stall: this many steps in a row under this share of informative groups
 
 
 def learning_signal(rollouts: RolloutBatch) -> dict[str, float]:
@@ -159,12 +159,12 @@ def stall_warning(step: int, rollouts: RolloutBatch, fracs: list[float]) -> str:
     """One line for a stall ("Learning-signal watch"): how long, the reward and response length the
     policy settled on, and the settings that bring variety back."""
     lengths = [len(c.token_ids) for c in rollouts.completions]
-    return (f"warning: step {step}: learning has stalled: under {STALL_FRAC:.0%} of groups scored more than one "
-            f"reward on each of the last {len(fracs)} steps (mean {sum(fracs) / len(fracs):.1%}; reward mean "
-            f"{float(rollouts.rewards.mean()):.3g}, responses {sum(lengths) / len(lengths):.0f} tokens on average), "
-            "so the updates barely move the policy; more variety or a slower update may bring the signal back: "
-            "raise generation.temperature or grpo.group_size, lower learner.lr, set grpo.kl_coef > 0, or turn on "
-            "grpo.dynamic_sampling")
+    return (f"warning: step {step}: learning has stalled: under {STALL_FRAC:.0%} of groups scored more than "
+            f"one reward on each of the last {len(fracs)} steps (mean {sum(fracs) / len(fracs):.1%}; reward "
+            f"mean {float(rollouts.rewards.mean()):.3g}, responses {sum(lengths) / len(lengths):.0f} tokens "
+            "on average), so the updates barely move the policy; more variety or a slower update may bring the "
+            "signal back: raise generation.temperature or grpo.group_size, lower learner.lr, set "
+            "grpo.kl_coef > 0, or turn on grpo.dynamic_sampling")
 
 
 class RewardFailure(RunError):

@@ -326,7 +326,8 @@ def test_signal_watch_replayed_on_the_countdown_collapse_says_it_once_at_step_21
     from rlhf.types import RolloutBatch
 
     path = ROOT / "docs/grpo_countdown_qwen2.5-coder-0.5b_1gpu_metrics.jsonl"
-    fracs = {r["step"]: r["reward/informative_frac"] for r in read_metrics(path) if "reward/informative_frac" in r}
+    key = "reward/informative_frac"
+    fracs = {r["step"]: r[key] for r in read_metrics(path) if key in r}
     batch = RolloutBatch(rows=[None], prompt_ids=[[1]], group_size=2, rewards=torch.tensor([1.0, 1.0]),
                          completions=[Completion([5] * 16, [-1.0] * 16, "stop")] * 2)
     watch = SignalWatch(start=0, max_new_tokens=512)
