@@ -3,7 +3,9 @@
 - colocated on 2 GPUs: 2 FSDP2 learner ranks (NCCL between them) and 2 vLLM engines, each rank handing
   its engine CUDA IPC handles (`actors/weight_sync.py::engine_targets`);
 - split on 4 GPUs, the seeds' layout in small: GPU 0 generates, GPUs 1-3 learn with DeepSpeed ZeRO-2,
-  learner rank 0 broadcasting the weights over NCCL.
+  learner rank 0 broadcasting the weights over NCCL;
+- on an 8-GPU host, the seeds' node: 8 engines beside 8 FSDP2 ranks, and GPU 0 generating for 7 ZeRO-3
+  ranks (uneven shards: 512 rows over 7 ranks).
 
 Each run: the cluster line names the layout, every GPU holds a share of the run, after every sync
 every engine samples from the learner's weights (`suite.synced`), the update moved them, and the
@@ -25,6 +27,12 @@ LAYOUTS = {
     "split-1+3-zero2": (4, "cluster: split, 1 engine(s)",
                         ["cluster.placement=split", "cluster.weight_sync=nccl", "cluster.generator_engines=1",
                          "learner.num_ranks=3", "learner.backend=deepspeed", "learner.zero_stage=2"]),
+    "colocated-8x8": (8, "cluster: colocated, 8 engine(s)",
+                      ["cluster.placement=colocated", "cluster.generator_engines=8", "learner.num_ranks=8",
+                       "learner.backend=fsdp2"]),
+    "split-1+7-zero3": (8, "cluster: split, 1 engine(s)",
+                        ["cluster.placement=split", "cluster.weight_sync=nccl", "cluster.generator_engines=1",
+                         "learner.num_ranks=7", "learner.backend=deepspeed", "learner.zero_stage=3"]),
 }
 
 

@@ -169,6 +169,23 @@ def test_the_gpu_suites_measured_learner_peaks_are_predicted_within_its_toleranc
     assert abs(measured / predicted - 1) <= 0.10, (measured, predicted)  # tests/gpu's PEAK_TOLERANCE
 
 
+def test_every_multi_gpu_layout_of_the_gpu_suite_plans_for_its_gpus_on_h100_and_h200():
+    """tests/gpu/test_multi_gpu.py's layouts (2, 4 and 8 GPUs) load, take the GPUs they are skipped
+    without, and fit both GPU kinds: an 8-GPU layout that could not run is found here, not on a rented
+    8-GPU host."""
+    from rlhf.rules import run_gpus
+    from tests.gpu.test_multi_gpu import LAYOUTS
+
+    recipe = ROOT / "tests/gpu/grpo_suite.yaml"
+    assert {gpus for gpus, _, _ in LAYOUTS.values()} == {2, 4, 8}
+    for name, (gpus, _, overrides) in LAYOUTS.items():
+        cfg = load_config(recipe, overrides)
+        assert run_gpus(cfg, cfg.cluster.generator_engines) == gpus, name
+        for kind in ("h100-80gb", "h200-141gb"):
+            plan = make_plan(cfg, model_shape(cfg.model.path), gpu_kind(kind), explicit_keys(recipe, overrides))
+            assert plan.best is not None, (name, kind)
+
+
 @pytest.mark.parametrize("kernels", ["eager", "fused"])
 def test_kept_head_logits_add_their_bytes_to_the_logits_and_are_never_planned(kernels: str):
     """`learner.head_keep_logits`: b x tokens x vocab more (the logits kept from forward to backward), and
