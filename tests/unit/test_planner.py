@@ -150,7 +150,8 @@ def test_liger_layers_keep_the_tensors_counted_and_eager_layers_the_fitted_count
 
 # The GPU suite's planned GRPO runs (tests/gpu/test_grpo_gpu.py, SmolLM2-135M, full-length rows; records in
 # benchmarks/results/gpu-acceptance.jsonl): measured `memory/learner_peak_gib` by GPU, run and rows per
-# micro-batch. The H200's LoRA runs read 0.85 of the 11h prediction (outside the suite's 10%) at 1e76fb7.
+# micro-batch. The H200's LoRA runs read 0.85 of the 11h prediction (outside the suite's 10%) at 1e76fb7;
+# at 0713737 the same peaks read 0.934 / 0.936 of the 9h LoRA prediction on the GPU.
 SUITE_PEAKS = [
     ("h100-80gb", "fsdp2-full", 256, 47.81), ("h100-80gb", "zero2-lora-adapter", 256, 42.88),
     ("h100-80gb", "zero3-lora-merged", 256, 44.41), ("h200-141gb", "fsdp2-full", 512, 86.42),
