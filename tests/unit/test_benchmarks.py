@@ -428,3 +428,23 @@ def test_random_models_find_the_tokenizer_through_its_variable(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
                          env={**os.environ, "TOKENIZER": str(tmp_path / "qwen2")})
     assert run.stdout.strip() == str(tmp_path / "qwen2")
+
+
+def test_engine_sweep_variants_name_their_engine_count_and_overrides():
+    """`NAME[@K][:key=v,...]`: K engines (1 unless given) and the variant's overrides; a count that is
+    not a whole number >= 1 is refused in one line."""
+    import argparse
+
+    from benchmarks.engine_sweep import _variant, table
+
+    assert _variant("base") == ("base", 1, [])
+    assert _variant("two@2:generation.max_num_seqs=256,generation.enforce_eager=true") == (
+        "two@2", 2, ["generation.max_num_seqs=256", "generation.enforce_eager=true"])
+    for bad in ("x@0", "x@", "x@two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
+            _variant(bad)
+    rows = [{"variant": "one", "engines": 1, "startup_s": 4.2, "median_tok_s": 2000.0,
+             "calls": [{"tok_s": 1500.0}, {"tok_s": 2000.0}]},
+            {"variant": "two@2", "engines": 2, "startup_s": 15.0, "median_tok_s": 3000.0,
+             "calls": [{"tok_s": 1000.0}, {"tok_s": 3000.0}]}]
+    assert table(rows).splitlines()[-1] == "| two@2 | 2 | 15 | 3,000 | 1.50 | 1.0k, 3.0k |"
