@@ -345,6 +345,8 @@ class ActorGroup:
     for the actors' `init_process_group` (`host_store`), sealed with a random secret of this group's
     that the actors find through Ray (`RENDEZVOUS_KEY_ENV`, `join_store`); else the group has no
     rendezvous ("", 0). Under a local Ray the actors' collectives are kept on loopback (`loopback_env`).
+    With `after`, actor i whose `after(i)` is an index j gets `start_after=[actor j ready]` too: its
+    constructor waits for actor j's to return (engines sharing a GPU start one at a time).
     """
 
     def __init__(
@@ -359,6 +361,7 @@ class ActorGroup:
         make_kwargs: Callable[[int, str, int], dict[str, Any]],
         env: dict[str, str] | None = None,
         rendezvous_store: bool = False,
+        after: Callable[[int], int | None] | None = None,
     ) -> None:
         def place(bundle: int) -> PlacementGroupSchedulingStrategy:
             return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
@@ -374,12 +377,15 @@ class ActorGroup:
             addr, port = "", 0
         remote_cls = ray.remote(cls)
         runtime_env = {"env_vars": env} if env else None
-        self.actors = [
-            remote_cls.options(
+        self.actors: list[Any] = []
+        for rank, b in enumerate(bundles):
+            kwargs = make_kwargs(rank, addr, port)
+            first = after(rank) if after else None
+            if first is not None:
+                kwargs["start_after"] = [self.actors[first].__ray_ready__.remote()]
+            self.actors.append(remote_cls.options(
                 num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=place(b), runtime_env=runtime_env
-            ).remote(**make_kwargs(rank, addr, port))
-            for rank, b in enumerate(bundles)
-        ]
+            ).remote(**kwargs))
 
     def __len__(self) -> int:
         return len(self.actors)

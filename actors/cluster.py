@@ -3,8 +3,10 @@
 Every backend and placement choice of a run is made here, once, from the config:
 
     colocated (GPU)   bundle i = GPU i = learner rank i; E engines, engine e on bundle e * (N / E)
-                      beside that learner rank (auto: E = N, one per GPU); they sleep while the
-                      learners train, and each gets the weights from the rank on its own GPU
+                      beside that learner rank (auto: E = N, one per GPU), or E = K * N: K engines
+                      on every bundle, started one after another, with 1/K of vLLM's share each
+                      (`rlhf.rules.engines_per_device`); they sleep while the learners train, and
+                      each gets the weights from the rank on its own GPU
     split (GPU)       bundles 0..E-1 = the engines, `generator_tp` GPUs each; bundles E..E+N-1 =
                       the learners (auto: E = the GPUs the learners leave free / generator_tp)
     learners only     DPO: bundle i = GPU i = learner rank i; no engines, no reward workers
@@ -40,7 +42,7 @@ from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
 from rlhf.config import ClusterConfig, ConfigError, RunConfig
 from rlhf.lora import serves_adapters
-from rlhf.rules import device_share, engine_count, holds_reference_model, reward_gpus
+from rlhf.rules import device_share, engine_count, engines_per_device, holds_reference_model, reward_gpus
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group not ready by then will not be: say why instead of hanging
@@ -74,16 +76,16 @@ class Layout:
     """The reward worker's bundle where it takes a device share (module docstring), else None."""
     reward_share: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    @property
-    def ranks_per_engine(self) -> int:
-        """Colocated: engine e sits beside learner rank e * ranks_per_engine."""
-        return len(self.learner_bundles) // max(1, len(self.engine_bundles))
+    def rank_beside(self, engine: int) -> int | None:
+        """The learner rank on engine `engine`'s bundle (colocated), else None."""
+        bundle = self.engine_bundles[engine]
+        return self.learner_bundles.index(bundle) if bundle in self.learner_bundles else None
 
 
 def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
     """Bundles and per-actor resource shares for the configured placement with `engines` engines
-    (0: learners only, one whole device each). Colocated, `engines` divides the learner ranks and
-    TP is 1: the config's validation and `rlhf.rules.engine_count` guarantee it."""
+    (0: learners only, one whole device each). Colocated, `engines` divides the learner ranks or is
+    a multiple of them, and TP is 1: the config's validation and `rlhf.rules.engine_count` guarantee it."""
     n, tp = cfg.learner.num_ranks, cfg.cluster.generator_tp
     unit = "GPU" if device_kind != "cpu" else "CPU"
     # CPU shares are tokens for scheduling, not a claim on cores: actors on CPU all share the host.
@@ -93,11 +95,12 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
                       learner_bundles=list(range(n)), engine_share={}, learner_share={unit: one})
     served = device_share(cfg.reward)  # the reward worker's share, by the same rule as the engines'
     if cfg.cluster.placement == "colocated":
+        k = engines_per_device(cfg, engines)
         return Layout(
             bundles=[{unit: one} for _ in range(n)],
-            engine_bundles=[e * (n // engines) for e in range(engines)],
+            engine_bundles=[e // k if k > 1 else e * (n // engines) for e in range(engines)],
             learner_bundles=list(range(n)),
-            engine_share={unit: one * 0.4},
+            engine_share={unit: one * 0.4 / k},
             learner_share={unit: one * 0.5},
             reward_bundle=0 if served else None,
             reward_share={unit: one * 0.1} if served else {},
@@ -155,11 +158,16 @@ def _learner_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, sta
 
 def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, device_kind: str) -> EngineGroup:
     engines, host_gpus = len(layout.engine_bundles), pinned_host_gpus(cfg.cluster)
+    k = engines_per_device(cfg, engines)
+    # K engines of one GPU hold vLLM's share together and start one after another: vLLM sizes its
+    # KV cache from the memory it finds free, as build_cluster's comment on the learners says.
+    gen_cfg = dataclasses.replace(cfg.generation, gpu_memory_utilization=cfg.generation.gpu_memory_utilization / k)
     group = ActorGroup(
         load_class(GENERATORS[cfg.generation.backend]), name="engine", pg=pg, bundles=layout.engine_bundles,
         **_share(layout.engine_share),
+        after=(lambda e: e - 1 if k > 1 and e % k else None),
         make_kwargs=lambda rank, addr, port: dict(
-            model_path=model_path, cfg=cfg.generation, dtype=cfg.model.dtype, seed=cfg.seed,
+            model_path=model_path, cfg=gen_cfg, dtype=cfg.model.dtype, seed=cfg.seed,
             enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
             host_gpus=host_gpus,
@@ -272,7 +280,8 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     # Learner rank 0 runs the sender side of the NCCL transport: its node's address and a free port.
     transport = choose_transport(cfg, device.kind, lambda: ray.get(node_address.options(
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, layout.learner_bundles[0])).remote()))
-    targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks, layout.ranks_per_engine)
+    targets = engine_targets(transport, generator.engines, cfg.learner.num_ranks,
+                             [layout.rank_beside(e) for e in range(len(layout.engine_bundles))])
     gather([rewards.ready_ref()], ["reward worker"], "start-up")  # before the learners that may wait on it
     learners.group.ready()
     ready["learners"] = time.perf_counter() - start

@@ -32,7 +32,7 @@ import torch
 
 from actors.device import detect
 from actors.host_cores import pin_process
-from actors.worker_setup import gc_paused
+from actors.worker_setup import gc_paused, wait_for
 from rlhf.config import GenerationConfig
 from rlhf.types import Completion, SamplingSpec
 
@@ -46,10 +46,11 @@ class HFGenerator:
     @gc_paused()  # start-up: see actors/worker_setup.py
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int,
                  enable_sleep: bool, tensor_parallel_size: int = 1, engines_per_host: int = 1,
-                 host_gpus: Sequence[str] = ()) -> None:
+                 host_gpus: Sequence[str] = (), start_after: list | None = None) -> None:
         """Same signature as VLLMGenerator; `cfg`, `enable_sleep`, `tensor_parallel_size` and
         `engines_per_host` have nothing to configure here (every sampling knob arrives with each
-        SamplingSpec); `host_gpus` as there."""
+        SamplingSpec); `host_gpus` and `start_after` as there."""
+        wait_for(start_after)
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers import GenerationConfig as HFGenerationConfig
 

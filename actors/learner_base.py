@@ -45,7 +45,7 @@ from actors.host_cores import pin_process
 from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
-from actors.worker_setup import gc_paused
+from actors.worker_setup import gc_paused, wait_for
 from rlhf.algo.objectives import is_max_metric, merge_metrics, metric_floats, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
@@ -135,10 +135,7 @@ class LearnerRank:
         from actors.actor_group import load_class
 
         sharding_cls = load_class(SHARDINGS[learner_cfg.backend])  # imports torch.distributed, DeepSpeed
-        if start_after:
-            import ray
-
-            ray.get(start_after)
+        wait_for(start_after)
         self.rank, self.world_size = rank, world_size
         self.cfg, self.temperature = learner_cfg, temperature
         self.lora = learner_cfg.lora_rank > 0  # "LoRA" in the module docstring

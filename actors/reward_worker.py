@@ -31,7 +31,7 @@ import torch
 
 from actors.actor_group import gather
 from actors.device import detect
-from actors.worker_setup import gc_paused
+from actors.worker_setup import gc_paused, wait_for
 from rlhf.config import GenerationConfig, RewardConfig, RewardFnConfig
 from rlhf.data.batching import even_shards
 from rlhf.types import Completion, PromptRow, SamplingSpec
@@ -69,8 +69,7 @@ class RewardWorker:
 
         from rlhf.scoring import PoolScorer
 
-        if start_after:
-            ray.get(start_after)
+        wait_for(start_after)
 
         self.device = detect()
         on_gpu = self.device.kind != "cpu"

@@ -48,7 +48,7 @@ import torch
 from actors.device import Device, detect, isolate_cpu_compile_cache
 from actors.host_cores import pin_process
 from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
-from actors.worker_setup import gc_paused
+from actors.worker_setup import gc_paused, wait_for
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
 from actors.vllm_worker import IpcHandle
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig
@@ -68,7 +68,7 @@ class VLLMGenerator:
 
     @gc_paused()  # "Start-up GC" in the module docstring
     def __init__(self, model_path: str, cfg: GenerationConfig, *, dtype: str, seed: int, enable_sleep: bool,
-                 tensor_parallel_size: int = 1, engines_per_host: int = 1,
+                 tensor_parallel_size: int = 1, engines_per_host: int = 1, start_after: list | None = None,
                  lora: LearnerConfig | None = None, host_gpus: Sequence[str] = ()) -> None:
         """Start the engine on `model_path` (an HF folder). `dtype` is "float32" or "bfloat16";
         `enable_sleep` asks for vLLM's sleep mode (GPU only, ignored on CPU); `tensor_parallel_size`
@@ -76,7 +76,8 @@ class VLLMGenerator:
         generating at the same time on this host, which split its cores on CPU ("In-process engine"); `lora`:
         the learner's config when pushes carry LoRA adapters (`_serve_adapter`), else None;
         `host_gpus`: the node's GPU ids under `cluster.pin_cores` (the engine, and the processes vLLM
-        starts, then run on its GPU's block of the node's cores), else empty."""
+        starts, then run on its GPU's block of the node's cores), else empty; `start_after`: `wait_for`."""
+        wait_for(start_after)  # an engine started before it on the same GPU
         self.device = detect()
         pin_process(self.device.host_cores(host_gpus))
         refuse_quantization(cfg, self.device)  # before vLLM fails on its own
@@ -91,8 +92,7 @@ class VLLMGenerator:
             # so set it from our config rather than inheriting a stale value from the environment.
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kvcache_gib)
             isolate_cpu_compile_cache()  # compiled artifacts of another ISA cap crash the engine
-        # On CPU the engine keeps the thread count it starts with; nothing else in the loop runs
-        # while it generates, so it takes the host's cores (Ray gave this actor one thread).
+        # On CPU the engine keeps the threads it starts with: it takes the host's (Ray gave it one).
         self.device.share_host_threads(engines_per_host)
         from vllm import LLM
 

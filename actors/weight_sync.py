@@ -149,12 +149,12 @@ class WeightSyncer:
         return self.learners.push_weights(self.targets, self.transport)
 
 
-def engine_targets(transport: Any, engines: list[Any], num_ranks: int, ranks_per_engine: int) -> list[Engines]:
-    """Which engines each learner rank sends to: with CUDA IPC, rank r feeds the engine on its own
-    GPU (engine e sits beside rank e * ranks_per_engine); otherwise rank 0 feeds them all."""
+def engine_targets(transport: Any, engines: list[Any], num_ranks: int, beside: list[int | None]) -> list[Engines]:
+    """Which engines each learner rank sends to: with CUDA IPC, rank r feeds the engines on its own
+    GPU (`beside[e]`: the rank on engine e's GPU; several engines may share one); otherwise rank 0
+    feeds them all."""
     if isinstance(transport, CudaIpcTransport):
-        return [[(r // ranks_per_engine, engines[r // ranks_per_engine])] if r % ranks_per_engine == 0 else []
-                for r in range(num_ranks)]
+        return [[(e, engine) for e, engine in enumerate(engines) if beside[e] == r] for r in range(num_ranks)]
     return [list(enumerate(engines)) if r == 0 else [] for r in range(num_ranks)]
 
 

@@ -76,6 +76,16 @@ def setup_worker_process() -> None:
     os.close(fd)
 
 
+def wait_for(refs: list | None) -> None:
+    """Block until the Ray object refs `refs` are ready (a list, so that Ray passed them to a
+    constructor unresolved): an actor that may touch the device only after others have (vLLM sizes
+    its KV cache from the memory it finds free while it starts)."""
+    if refs:
+        import ray
+
+        ray.get(refs)
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off inside, as it was after; also a decorator. For a

@@ -352,9 +352,9 @@ class ClusterConfig:
     train); `split`: the first `generator_engines * generator_tp` devices generate, the next
     `learner.num_ranks` learn."""
     generator_engines: int | Literal["auto"] = "auto"
-    """vLLM engines generating in parallel (data parallel: a step's prompts are sharded across them
-    by whole groups). `auto`: colocated, one engine per learner device; split, the devices the
-    learners leave free, divided by `generator_tp`; on CPU, 1 (engines would share the same cores)."""
+    """vLLM engines generating in parallel, sharded whole groups; colocated a divisor or multiple of
+    `learner.num_ranks` (`rlhf.rules.engines_per_device`). `auto`: colocated, one per learner device;
+    split, the devices the learners leave free over `generator_tp`; on CPU, 1 (they'd share cores)."""
     generator_tp: int = 1
     """Devices per engine (vLLM tensor parallelism); split placement only."""
     weight_sync: Literal["auto", "cuda_ipc", "nccl", "cpu"] = "auto"

@@ -243,9 +243,10 @@ def _cluster(c: RunConfig) -> None:
         return
     check(engines >= 1, "cluster.generator_engines", "'auto' or an integer >= 1", engines)
     if cl.placement == "colocated":
-        check(ranks % engines == 0, "cluster.generator_engines",
-              f"a divisor of learner.num_ranks={ranks} with placement=colocated (each engine sits "
-              f"beside every num_ranks/engines-th learner rank)", engines)
+        check(ranks % engines == 0 or engines % ranks == 0, "cluster.generator_engines",
+              f"a divisor or a multiple of learner.num_ranks={ranks} with placement=colocated (an engine "
+              f"beside every num_ranks/engines-th learner rank, or engines/num_ranks on every rank's "
+              f"device)", engines)
     if c.algorithm == "grpo":
         check(engines <= c.grpo.prompts_per_step, "cluster.generator_engines",
               f"at most grpo.prompts_per_step={c.grpo.prompts_per_step} (a GRPO group never spans "

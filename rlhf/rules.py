@@ -3,6 +3,7 @@ once: the cluster that builds a run, the memory planner that sizes it and the lo
 all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports).
 
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
+- `engines_per_device`: how many of them share one learner's device (colocated).
 - `scores_reference`: whether the loop asks for reference log-probs every step.
 - `holds_reference_model`: whether the learners keep a frozen reference copy of the model for that.
 - `learner_state`: what a learner backend keeps of the model between steps, and where; the memory
@@ -54,6 +55,15 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
                 + (f" + {engines} engines x cluster.generator_tp={tp}" if cl.placement == "split" else "")
                 + f") but the Ray cluster has {cluster_gpus:g}")
     return engines
+
+
+def engines_per_device(cfg: RunConfig, engines: int) -> int:
+    """Colocated engines that share one learner's device: `cluster.generator_engines` over
+    `learner.num_ranks` when it is a multiple of it (several engines per GPU, so that several host
+    threads feed a decode that one thread cannot keep the GPU busy with), else 1. Together they hold
+    `generation.gpu_memory_utilization` of the device, each an equal part of it."""
+    ranks = cfg.learner.num_ranks
+    return engines // ranks if cfg.cluster.placement == "colocated" and engines > ranks else 1
 
 
 def run_gpus(cfg: RunConfig, engines: int) -> int:

@@ -12,8 +12,9 @@ the fitted terms rest on):
 - Memory model: per GPU, the backend's weights, masters, gradients and Adam state by sharding mode,
   a reference copy where `rlhf.rules.holds_reference_model`, activations per token per layer
   (b * (11h + 4f + 2a) fitted for eager layers, 2h less under LoRA, counted for Liger's) and the LM
-  head's working set (rlhf.planner.activations), ZeRO-3's buffers, vLLM's weights and KV cache, a
-  CUDA context per process and a 10% fragmentation margin.
+  head's working set (rlhf.planner.activations), ZeRO-3's buffers, vLLM's weights and KV cache (of
+  every engine on the GPU: `rlhf.rules.engines_per_device`), a CUDA context per process and a 10%
+  fragmentation margin.
 - Phases: colocated, vLLM sleeps (level 2) while the learner trains and the learner's state stays
   while vLLM generates, so a GPU holds the larger phase; split, each GPU holds its own side. A
   reward worker with a device share (`reward_memory`) scores beside the awake engine (colocated,
@@ -40,7 +41,15 @@ from rlhf.config import RunConfig, config_to_dict
 from rlhf.planner.activations import head_bytes, layer_activations
 from rlhf.planner.flops import train_flops_per_token
 from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
-from rlhf.rules import device_share, engine_count, holds_reference_model, learner_state, reward_gpus, run_gpus
+from rlhf.rules import (
+    device_share,
+    engine_count,
+    engines_per_device,
+    holds_reference_model,
+    learner_state,
+    reward_gpus,
+    run_gpus,
+)
 
 ZERO3_BUFFERS_GIB = 1.6  # ZeRO-3's gradient bucket and fetch buffers ("Memory model")
 VLLM_OVERHEAD_GIB = 2.5  # vLLM's activations, sampler and CUDA graphs while awake
@@ -74,9 +83,9 @@ class Breakdown:
     vllm_weights: float
     vllm_kv: float
     vllm_kv_needed: float
-    """KV cache that holds every sequence an engine decodes at once."""
+    """KV cache that holds every sequence the GPU's engines decode at once."""
     vllm_asleep: float
-    """What a sleeping engine keeps while the learner trains (colocated)."""
+    """What the GPU's sleeping engines keep while the learner trains (colocated)."""
     contexts: float
     """CUDA contexts and NCCL buffers of the processes on the GPU."""
     margin: float
@@ -177,22 +186,23 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     peak = weights + masters + grads + optimizer + reference + activations + logits + buffers
     resident = module + masters + grads + optimizer + reference + buffers
     e, tp = engines(cfg), cfg.cluster.generator_tp
-    vllm_weights = b * p / tp if e else 0
+    k = engines_per_device(cfg, e)  # engines on this GPU, each with its own weights, overhead and context
+    vllm_weights = k * b * p / tp if e else 0
     max_seqs = cfg.generation.max_num_seqs or VLLM_DEFAULT_MAX_SEQS
-    seqs = min(math.ceil(step_rows(cfg) / e), max_seqs) if e else 0
+    seqs = k * min(math.ceil(step_rows(cfg) / e), max_seqs) if e else 0
     kv_heads_share = max(1, shape.num_key_value_heads // tp) / shape.num_key_value_heads
     kv_needed = seqs * row_tokens(cfg) * shape.kv_bytes_per_token(b) * kv_heads_share
     mem = gpu.memory_gib * GIB
     vllm_budget = cfg.generation.gpu_memory_utilization * mem if e else 0
-    vllm_kv = max(0.0, vllm_budget - vllm_weights - VLLM_OVERHEAD_GIB * GIB)
+    vllm_kv = max(0.0, vllm_budget - vllm_weights - k * VLLM_OVERHEAD_GIB * GIB)
     margin = FRAGMENTATION * mem
     colocated = cfg.cluster.placement == "colocated" and e > 0
-    asleep = VLLM_ASLEEP_GIB * GIB if colocated else 0
+    asleep = k * VLLM_ASLEEP_GIB * GIB if colocated else 0
     scoring, kept = reward_memory(cfg, mem)
     beside = cfg.cluster.placement == "colocated" and device_share(cfg.reward)  # the reward worker on GPU 0
     if not beside:
         kept = 0.0
-    contexts = (2 if colocated else 1) * CONTEXT_GIB * GIB + (CONTEXT_GIB * GIB if beside else 0)
+    contexts = (1 + k if colocated else 1) * CONTEXT_GIB * GIB + (CONTEXT_GIB * GIB if beside else 0)
     # colocated: the larger of training (vLLM asleep) and generating and scoring (the learner's state
     # resident); otherwise the learner's GPUs (split generator and reward GPUs: `vllm_fits`, `reward_fits`)
     need = max(peak + asleep + kept, resident + vllm_budget + (scoring if beside else 0) if colocated else 0) \
@@ -252,7 +262,8 @@ def vllm_fits(bd: Breakdown, cfg: RunConfig, shape: ModelShape, gpu: GpuKind) ->
     share = cfg.generation.gpu_memory_utilization * gpu.memory_gib
     # split: the GPU is vLLM's, whose own pool needs no fragmentation margin
     split_ok = cfg.cluster.placement == "colocated" or share + CONTEXT_GIB <= gpu.memory_gib
-    return split_ok and share >= bd.vllm_weights + VLLM_OVERHEAD_GIB + one_row
+    k = engines_per_device(cfg, engines(cfg))  # each engine of a GPU needs its overhead and one row
+    return split_ok and share >= bd.vllm_weights + k * (VLLM_OVERHEAD_GIB + one_row)
 
 
 def predicted_learner_peak_gib(cfg: RunConfig, gpu: str = "h100-80gb") -> float:
@@ -353,7 +364,7 @@ def _utilization(cfg: RunConfig, bd: Breakdown, gpu: GpuKind) -> float:
     if cfg.cluster.placement == "split":
         return 0.9
     room = (1 - FRAGMENTATION) * gpu.memory_gib - bd.contexts - bd.learner_resident - bd.reward_scoring
-    want = bd.vllm_weights + VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
+    want = bd.vllm_weights + engines_per_device(cfg, engines(cfg)) * VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
     return max(0.1, min(math.ceil(20 * want / gpu.memory_gib), math.floor(20 * room / gpu.memory_gib)) / 20)
 
 

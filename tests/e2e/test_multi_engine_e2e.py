@@ -139,3 +139,18 @@ def test_resumed_two_engine_run_continues_exactly(two_engine_run, tmp_path):
     for w, g in zip(want[1:], got[1:]):
         for key in DETERMINISTIC:
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), (g["step"], key)
+
+
+def test_two_engines_beside_one_learner_rank_both_serve_its_weights(tmp_path):
+    """`cluster.generator_engines=2 learner.num_ranks=1` (colocated): both engines on the one
+    learner's bundle, the second started after the first (`rlhf.rules.engines_per_device`); each
+    step's samples come from both, and the sampler's log-probs equal the learner's after every push
+    (a stale engine would show at this learning rate)."""
+    run = _train(tmp_path / "run", "learner.num_ranks=1", "grpo.steps=2", "save_every=0")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert "2 engine(s) x TP 1, 1 fsdp2 learner rank(s)" in run.stdout
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["gen/engine0_tokens"] > 0 and r["gen/engine1_tokens"] > 0
+        assert r["mismatch/logprob_abs_diff"] < 1e-4 and r["grad_norm"] > 0.1

@@ -115,7 +115,8 @@ def test_engine_count_that_does_not_fit_the_gpus_is_one_line(overrides, gpus, me
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["learner.num_ranks=4", "cluster.generator_engines=3"], "a divisor of learner.num_ranks=4"),
+    (["learner.num_ranks=4", "cluster.generator_engines=3"], "a divisor or a multiple of learner.num_ranks=4"),
+    (["learner.num_ranks=2", "cluster.generator_engines=3"], "a divisor or a multiple of learner.num_ranks=2"),
     (["learner.num_ranks=8", "cluster.generator_engines=8", "grpo.prompts_per_step=4"],
      "at most grpo.prompts_per_step=4"),
     (["cluster.generator_engines=0"], "'auto' or an integer >= 1"),
@@ -137,8 +138,14 @@ def test_layouts():
     colocated = plan_layout(_cfg("learner.num_ranks=4", "cluster.generator_engines=2"), "cuda", 2)
     assert colocated.bundles == [{"GPU": 1.0}] * 4
     assert colocated.engine_bundles == [0, 2] and colocated.learner_bundles == [0, 1, 2, 3]
-    assert colocated.ranks_per_engine == 2
+    assert [colocated.rank_beside(e) for e in range(2)] == [0, 2]
     assert colocated.engine_share["GPU"] + colocated.learner_share["GPU"] <= 1.0  # both fit on one GPU
+
+    # two engines on each learner's GPU: every bundle holds both, and their shares beside the learner's
+    doubled = plan_layout(_cfg("learner.num_ranks=2", "cluster.generator_engines=4"), "cuda", 4)
+    assert doubled.bundles == [{"GPU": 1.0}] * 2 and doubled.engine_bundles == [0, 0, 1, 1]
+    assert [doubled.rank_beside(e) for e in range(4)] == [0, 0, 1, 1]
+    assert 2 * doubled.engine_share["GPU"] + doubled.learner_share["GPU"] <= 1.0
 
     split = plan_layout(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_tp=2"), "cuda", 2)
     assert split.bundles == [{"GPU": 2.0}] * 2 + [{"GPU": 1.0}] * 3
@@ -155,10 +162,13 @@ def test_which_rank_feeds_which_engine():
     from actors.weight_sync import CudaIpcTransport, ObjectStoreTransport, engine_targets
 
     engines = ["e0", "e1"]
-    ipc = engine_targets(CudaIpcTransport(dtype=torch.bfloat16), engines, num_ranks=4, ranks_per_engine=2)
+    ipc = engine_targets(CudaIpcTransport(dtype=torch.bfloat16), engines, num_ranks=4, beside=[0, 2])
     assert ipc == [[(0, "e0")], [], [(1, "e1")], []]  # each engine from the rank on its own GPU
-    cpu = engine_targets(ObjectStoreTransport(dtype=torch.float32), engines, num_ranks=2, ranks_per_engine=1)
+    cpu = engine_targets(ObjectStoreTransport(dtype=torch.float32), engines, num_ranks=2, beside=[0, 1])
     assert cpu == [[(0, "e0"), (1, "e1")], []]  # rank 0 sends each bucket once to every engine
+    four = ["e0", "e1", "e2", "e3"]  # two engines on each of two GPUs: each rank feeds both of its own
+    ipc = engine_targets(CudaIpcTransport(dtype=torch.bfloat16), four, num_ranks=2, beside=[0, 0, 1, 1])
+    assert ipc == [[(0, "e0"), (1, "e1")], [(2, "e2"), (3, "e3")]]
 
 
 def test_only_nccl_asks_for_a_rendezvous_address():

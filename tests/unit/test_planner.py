@@ -187,6 +187,32 @@ def test_every_multi_gpu_layout_of_the_gpu_suite_plans_for_its_gpus_on_h100_and_
             assert plan.best is not None, (name, kind)
 
 
+def test_two_engines_on_a_learners_gpu_each_count_their_weights_context_and_overhead():
+    """`cluster.generator_engines` = 2 x `learner.num_ranks` colocated: every GPU holds two engines,
+    so two copies of vLLM's weights, two sleeping engines and one more CUDA context; the step's
+    sequences (and their KV cache) are the same, split between them. The plan's vLLM share holds
+    both engines' weights and overhead, and each engine (half of that share) one full-length row."""
+    from rlhf.planner.memory import CONTEXT_GIB, VLLM_ASLEEP_GIB, VLLM_OVERHEAD_GIB, vllm_fits
+
+    args = ["model.path=Qwen/Qwen2.5-1.5B", "model.dtype=bfloat16", "grpo.prompts_per_step=64",
+            "generation.max_new_tokens=512", "learner.max_tokens_per_micro_batch=16384"]
+    shape, gpu = model_shape("Qwen/Qwen2.5-1.5B"), gpu_kind("h200-141gb")
+    one = breakdown(load_config(None, args), shape, gpu)
+    two_cfg = load_config(None, [*args, "cluster.generator_engines=2"])
+    two = breakdown(two_cfg, shape, gpu)
+    assert two.vllm_weights == pytest.approx(2 * one.vllm_weights)
+    assert two.vllm_kv_needed == pytest.approx(one.vllm_kv_needed)
+    assert two.vllm_asleep == pytest.approx(one.vllm_asleep + VLLM_ASLEEP_GIB)
+    assert two.contexts == pytest.approx(one.contexts + CONTEXT_GIB)
+    assert two.vllm_kv == pytest.approx(one.vllm_kv - one.vllm_weights - VLLM_OVERHEAD_GIB)
+    plan = make_plan(two_cfg, shape, gpu)
+    share = plan.best.values["generation.gpu_memory_utilization"] * gpu.memory_gib
+    assert share >= 2 * (one.vllm_weights + VLLM_OVERHEAD_GIB) + two.vllm_kv_needed
+    planned = dataclasses.replace(two_cfg, generation=dataclasses.replace(
+        two_cfg.generation, gpu_memory_utilization=plan.best.values["generation.gpu_memory_utilization"]))
+    assert vllm_fits(breakdown(planned, shape, gpu), planned, shape, gpu)
+
+
 @pytest.mark.parametrize("kernels", ["eager", "fused"])
 def test_kept_head_logits_add_their_bytes_to_the_logits_and_are_never_planned(kernels: str):
     """`learner.head_keep_logits`: b x tokens x vocab more (the logits kept from forward to backward), and
