@@ -5,7 +5,8 @@
 - split on 4 GPUs, the seeds' layout in small: GPU 0 generates, GPUs 1-3 learn with DeepSpeed ZeRO-2,
   learner rank 0 broadcasting the weights over NCCL;
 - on an 8-GPU host, the seeds' node: 8 engines beside 8 FSDP2 ranks, and GPU 0 generating for 7 ZeRO-3
-  ranks (uneven shards: 512 rows over 7 ranks).
+  ranks (uneven shards: 512 rows over 7 ranks);
+- on one GPU, two engines beside one learner rank (`rlhf.rules.engines_per_device`), both fed by it.
 
 Each run: the cluster line names the layout, every GPU holds a share of the run, after every sync
 every engine samples from the learner's weights (`suite.synced`), the update moved them, and the
@@ -21,6 +22,9 @@ from tests.gpu.suite import GRPO_RECIPE, needs_gpus, planned_run, synced, train
 pytestmark = pytest.mark.gpu
 PEAK_TOLERANCE = 0.10
 LAYOUTS = {
+    "colocated-2-engines-1gpu": (1, "cluster: colocated, 2 engine(s)",
+                                 ["cluster.placement=colocated", "cluster.generator_engines=2",
+                                  "learner.num_ranks=1", "learner.backend=fsdp2"]),
     "colocated-2x2": (2, "cluster: colocated, 2 engine(s)",
                       ["cluster.placement=colocated", "cluster.generator_engines=2", "learner.num_ranks=2",
                        "learner.backend=fsdp2"]),

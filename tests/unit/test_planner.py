@@ -171,14 +171,14 @@ def test_the_gpu_suites_measured_learner_peaks_are_predicted_within_its_toleranc
 
 
 def test_every_multi_gpu_layout_of_the_gpu_suite_plans_for_its_gpus_on_h100_and_h200():
-    """tests/gpu/test_multi_gpu.py's layouts (2, 4 and 8 GPUs) load, take the GPUs they are skipped
+    """tests/gpu/test_multi_gpu.py's layouts (1, 2, 4 and 8 GPUs) load, take the GPUs they are skipped
     without, and fit both GPU kinds: an 8-GPU layout that could not run is found here, not on a rented
     8-GPU host."""
     from rlhf.rules import run_gpus
     from tests.gpu.suite import GRPO_RECIPE as recipe
     from tests.gpu.test_multi_gpu import LAYOUTS
 
-    assert {gpus for gpus, _, _ in LAYOUTS.values()} == {2, 4, 8}
+    assert {gpus for gpus, _, _ in LAYOUTS.values()} == {1, 2, 4, 8}
     for name, (gpus, _, overrides) in LAYOUTS.items():
         cfg = load_config(recipe, overrides)
         assert run_gpus(cfg, cfg.cluster.generator_engines) == gpus, name
