@@ -378,10 +378,15 @@ def versions() -> dict[str, str]:
 
 
 def git_info() -> dict[str, Any]:
+    """HEAD and whether tracked files differ from it. A copy of the tree without .git (the GPU
+    machine's) names its commit in RLHF_COMMIT; whether it is dirty is then unknown (None)."""
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    if not (REPO / ".git").exists():
+        return {"commit": os.environ.get("RLHF_COMMIT", ""), "dirty": None}
+    return {"commit": os.environ.get("RLHF_COMMIT") or git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -508,7 +513,8 @@ def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_
     return results, first, {"concurrent": any(len(wave) > 1 for wave in plan), "waves": plan}
 
 
-def combine_latest(path: Path, sides: list[str]) -> tuple[dict[str, dict[str, Any]], list[str], list[str]]:
+def combine_latest(path: Path, sides: list[str]
+                   ) -> tuple[dict[str, dict[str, Any]], list[str], list[str], dict[str, Any]]:
     """`latest_side_records` of a results file (for sides run by separate invocations, e.g. under a
     per-command time limit)."""
     if not path.is_file():
@@ -540,9 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("ours: our config has no generation.ignore_eos key, so our completions stop at EOS "
                      "(rare with random weights: compare mean completion tokens); TRL and ours-gen ignore EOS")
     print(f"[bench] {w.name}: {w.description or w.algorithm} | sides: {', '.join(sides)}", flush=True)
-    schedule = None
+    schedule, origin = None, {}
     if args.combine:
-        results, overrides, found = combine_latest(results_path, sides)
+        results, overrides, found, origin = combine_latest(results_path, sides)
         notes += found
     else:
         model_path = prepare_model(w, workdir)
@@ -556,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     record = build_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         command=shlex.join([Path(PYTHON).name, "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),
-        git=git_info(), machine=machine_info(), versions=versions(),
+        git=origin.get("git") or git_info(), machine=origin.get("machine") or machine_info(),
+        versions=origin.get("versions") or versions(),
         env={k: env[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in env},
         overrides=overrides, sides=results, notes=notes, schedule=schedule,
     )

@@ -311,21 +311,25 @@ def out_of_memory(record: dict[str, Any]) -> bool:
 
 
 def latest_side_records(records: Sequence[dict[str, Any]], sides: Sequence[str]
-                        ) -> tuple[dict[str, dict[str, Any]], list[str], list[str]]:
+                        ) -> tuple[dict[str, dict[str, Any]], list[str], list[str], dict[str, Any]]:
     """The latest record of each side with steps among a results file's `records`: (side records,
-    the overrides of the first found, notes naming the runs they come from)."""
+    the overrides of the first found, notes naming the runs they come from, the newest of those runs).
+    The newest run's machine, versions and commit describe the combination, not the machine that
+    combines (sides are usually combined away from the GPU host they ran on)."""
     found: dict[str, dict[str, Any]] = {}
     overrides: list[str] = []
     notes = []
+    newest: dict[str, Any] = {}
     for side in sides:
         rec = next((r for r in reversed(records) if r["sides"].get(side, {}).get("steps")), None)
         if rec is None:
             continue
         found[side] = rec["sides"][side]
         overrides = overrides or rec["overrides"]
+        newest = max(newest, rec, key=lambda r: r.get("time", ""))
         notes.append(f"{side} from the run of {rec['time']} (commit {rec['git']['commit'][:10]}, "
                      f"load {rec['machine'].get('load_avg_1_5_15')})")
-    return found, overrides, notes
+    return found, overrides, notes, newest
 
 
 def report_text(record: dict[str, Any]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -27,8 +26,8 @@ from benchmarks.run import git_info, machine_info, versions  # noqa: E402
 
 def build_record(results: list[dict[str, Any]], command: str) -> dict[str, Any]:
     counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed", "skipped", "not run")}
-    git = git_info() if (REPO / ".git").exists() else {"commit": "", "dirty": None}
-    commit = os.environ.get("RLHF_COMMIT") or git["commit"] or "unknown (no .git: set RLHF_COMMIT)"
+    git = git_info()
+    commit = git["commit"] or "unknown (no .git: set RLHF_COMMIT)"
     from importlib.metadata import PackageNotFoundError, version
 
     more = {}

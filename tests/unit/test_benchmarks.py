@@ -203,6 +203,52 @@ def test_ratios_and_table():
     assert "trl-vllm failed: AttributeError: x" in table
 
 
+def test_combined_sides_keep_the_machine_and_commit_they_ran_on(tmp_path, capsys):
+    from benchmarks.run import main
+
+    def side_run(side, time, commit, gpu):
+        steps = ours_grpo_steps(_our_grpo_metrics(), [400, 400, 420, 380], 16)
+        return build_record(workload=WORKLOADS["grpo-gpu"].to_dict(), time=time, command="run", env={},
+                            git={"commit": commit, "dirty": False}, machine={"gpus": [gpu]}, versions={"vllm": "x"},
+                            overrides=["seed=0"], sides={side: {"ok": True, "steps": steps}}, notes=[])
+
+    results = tmp_path / "grpo-gpu.jsonl"
+    results.write_text("".join(json.dumps(side_run(*a)) + "\n" for a in [
+        ("ours", "2026-01-01T00:00:00", "a" * 40, "old"), ("ours", "2026-01-02T00:00:00", "b" * 40, "H200"),
+        ("trl-vllm", "2026-01-02T00:00:01", "c" * 40, "H200")]))
+    assert main(["--workload", "grpo-gpu", "--combine", "--results", str(tmp_path)]) == 0
+    combined = json.loads(results.read_text().splitlines()[-1])
+    assert set(combined["sides"]) == {"ours", "trl-vllm"} and combined["ratios"]["trl-vllm"]["step_s"] == 1.0
+    # the newest side run's host and commit, not this machine's; each side's run named in the notes
+    assert combined["machine"] == {"gpus": ["H200"]} and combined["git"]["commit"] == "c" * 40
+    assert any("ours from the run of 2026-01-02T00:00:00 (commit bbbbbbbbbb" in n for n in combined["notes"])
+    assert "| median step s, steps 1..N-1 (lower is better) | 11 | 11 | 1 |" in capsys.readouterr().out
+
+
+def test_a_tree_copy_without_git_names_its_commit_in_rlhf_commit(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    monkeypatch.setenv("RLHF_COMMIT", "f" * 40)
+    assert run.git_info()["commit"] == "f" * 40
+    monkeypatch.setattr(run, "REPO", tmp_path)  # the GPU machine's copy: no .git
+    assert run.git_info() == {"commit": "f" * 40, "dirty": None}
+    monkeypatch.delenv("RLHF_COMMIT")
+    assert run.git_info() == {"commit": "", "dirty": None}
+
+
+def test_the_gpu_suite_record_takes_the_same_commit_rule(tmp_path, monkeypatch):
+    from benchmarks import run
+    from tests.gpu.report import build_record as suite_record
+
+    monkeypatch.setattr(run, "REPO", tmp_path)
+    monkeypatch.delenv("RLHF_COMMIT", raising=False)
+    rec = suite_record([{"test": "t", "outcome": "passed", "seconds": 1.0, "figures": {}}], "bash tests/gpu/run.sh")
+    assert rec["commit"] == "unknown (no .git: set RLHF_COMMIT)" and rec["dirty"] is None
+    assert (rec["passed"], rec["failed"], rec["seconds"]) == (1, 0, 1.0)
+    monkeypatch.setenv("RLHF_COMMIT", "f" * 40)
+    assert suite_record([], "bash tests/gpu/run.sh")["commit"] == "f" * 40
+
+
 def test_dpo_steps_summary_and_record():
     metrics = [{"step": -1, "eval/loss": 0.69}] + [
         {"step": k, "timing/step_s": s, "throughput/tokens_per_s": 100.0, "loss": l, "rewards/accuracy": a,
