@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_scale.sh                             # the colocated FSDP2 line the visible GPUs allow
 #   bash benchmarks/gpu_scale.sh --prompts 256               # strong scaling on a node-sized step
 #   bash benchmarks/gpu_scale.sh --weak 64                   # weak scaling: 64 prompts per GPU
+#   bash benchmarks/gpu_scale.sh --engines-per-gpu 2         # two vLLM engines beside each learner rank
 #   bash benchmarks/gpu_scale.sh --layouts 1gpu,4gpu-split-zero2,4gpu-split-zero2-async   # any of LAYOUTS
 #   bash benchmarks/gpu_scale.sh --results "$OUT"            # JSON lines (and the plot) somewhere else
 #

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/scale.py --layouts 1gpu,4gpu-split-zero2 --model outputs/bench/models/random-qwen2.5-1.5b
     .venv/bin/python benchmarks/scale.py --prompts 256             # strong scaling: the same 256 x 8 step everywhere
     .venv/bin/python benchmarks/scale.py --weak 64                 # weak scaling: 64 prompts per GPU
+    .venv/bin/python benchmarks/scale.py --engines-per-gpu 2       # two engines beside each learner rank
     .venv/bin/python benchmarks/scale.py --tiny --layouts 1gpu,2gpu-fsdp2 --steps 2   # the code path, on CPU
 
 Layouts (`LAYOUTS`), each a run of scripts/train_grpo.py on the `grpo-gpu-scale` workload: colocated
@@ -76,6 +77,10 @@ class Layout:
     engines: int
     """What `cluster.generator_engines=auto` resolves to on `gpus` GPUs; passed explicitly on CPU."""
     overrides: tuple[str, ...]
+
+    @property
+    def colocated(self) -> bool:
+        return "cluster.placement=colocated" in self.overrides
 
 
 def _colocated(gpus: int, backend: str = "fsdp2", zero_stage: int = 0) -> Layout:
@@ -325,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--prompts", type=int, help="prompts per step on every layout (strong scaling; default: the "
                                                   "workload's)")
     size.add_argument("--weak", type=int, metavar="P", help="P prompts per step per GPU (weak scaling)")
+    p.add_argument("--engines-per-gpu", type=int, default=1, metavar="K",
+                   help="K vLLM engine processes beside each learner rank (colocated layouts; default: 1)")
     p.add_argument("--in-turn", action="store_true", help="one layout at a time, even where GPUs are free")
     p.add_argument("--no-pin", action="store_true",
                    help="layouts at the same time keep every host core (default: each on its GPUs' share)")
@@ -338,7 +345,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--note", action="append", default=[], help="free text stored with the result (e.g. load)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of our recipe for every layout (repeatable), e.g. learner.fused_head=false")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.engines_per_gpu < 1:
+        p.error(f"--engines-per-gpu: an integer >= 1, got {args.engines_per_gpu}")
+    return args
 
 
 def name_list(text: str, known: Iterable[str], what: str) -> list[str]:
@@ -356,11 +366,17 @@ def _layout_list(text: str) -> list[str]:
     return name_list(text, LAYOUTS, "layout")
 
 
-def layout_overrides(layout: Layout, *, on_gpu: bool, prompts: int | None = None) -> list[str]:
+def layout_overrides(layout: Layout, *, on_gpu: bool, prompts: int | None = None, engines_per_gpu: int = 1
+                     ) -> list[str]:
     """The layout's overrides; on CPU also its engine count (CPU `auto` would mean one engine);
-    with `prompts`, the step's prompts."""
-    return [*layout.overrides, *([] if on_gpu else [f"cluster.generator_engines={layout.engines}"]),
-            *([f"grpo.prompts_per_step={prompts}"] if prompts else [])]
+    with `prompts`, the step's prompts; with `engines_per_gpu` K > 1 (colocated layouts only), K
+    engines beside each learner rank."""
+    if engines_per_gpu > 1 and not layout.colocated:
+        raise ValueError(f"{engines_per_gpu} engines per GPU: colocated layouts only (a split layout's "
+                         f"engines each have a GPU of their own)")
+    named = not on_gpu or engines_per_gpu > 1
+    engines = [f"cluster.generator_engines={layout.engines * engines_per_gpu}"] if named else []
+    return [*layout.overrides, *engines, *([f"grpo.prompts_per_step={prompts}"] if prompts else [])]
 
 
 def layout_prompts(args: argparse.Namespace, layout: Layout) -> int | None:
@@ -379,11 +395,12 @@ def run_cluster(side_dir: Path, log: str) -> dict[str, Any] | None:
 
 
 def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, model_path: str | None,
-               on_gpu: bool, prompt_tokens: list[int], timeout: float, prompts: int | None = None) -> dict[str, Any]:
-    """One layout's run of our training script, with its per-step records and cluster line."""
+               prompt_tokens: list[int], timeout: float, layout_keys: list[str], prompts: int | None = None
+               ) -> dict[str, Any]:
+    """One layout's run of our training script (`layout_keys`: its `layout_overrides`), with its
+    per-step records and cluster line."""
     shutil.rmtree(side_dir, ignore_errors=True)
-    overrides = [*our_overrides(w, output_dir=str(side_dir / "run"), model_path=model_path),
-                 *layout_overrides(LAYOUTS[name], on_gpu=on_gpu, prompts=prompts)]
+    overrides = [*our_overrides(w, output_dir=str(side_dir / "run"), model_path=model_path), *layout_keys]
     cores = f" on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
     print(f"[scale] {name}: running{cores} (log: {side_dir / 'log.txt'})", flush=True)
     run = run_ours(w, overrides, side_dir, env, timeout)
@@ -422,7 +439,16 @@ def main(argv: list[str] | None = None) -> int:
     if w.device == "cuda" and not gpus:
         raise SystemExit(f"{w.name} needs CUDA GPUs and none are visible; --tiny runs the same layouts on CPU")
     names, notes = choose_layouts(args.layouts, len(gpus), on_gpu=bool(gpus))
+    prompts = {n: layout_prompts(args, LAYOUTS[n]) for n in names}
+    try:
+        keys = {n: layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n],
+                                    engines_per_gpu=args.engines_per_gpu) for n in names}
+    except ValueError as e:
+        raise SystemExit(f"scale.py: --engines-per-gpu {args.engines_per_gpu}: {e}") from None
     notes += args.note
+    if args.engines_per_gpu > 1:
+        notes.append(f"{args.engines_per_gpu} engines beside each learner rank (cluster.generator_engines = "
+                     f"{args.engines_per_gpu} x learner ranks)")
     if not gpus:
         notes.append("CPU: GPUs are nominal (every layout shares the host's cores); engines passed explicitly")
     for note in notes:
@@ -434,7 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     # Every layout's run folder differs; the rest of the workload's overrides is common.
     common = our_overrides(w, output_dir=str(workdir / w.name), model_path=model_path)
     prompt_tokens = step_prompt_tokens(w, common)
-    prompts = {n: layout_prompts(args, LAYOUTS[n]) for n in names}
     schedule = waves({n: LAYOUTS[n].gpus for n in names}, gpus, parallel=not args.in_turn)
     if any(len(wave) > 1 for wave in schedule):
         print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
@@ -443,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, devices: list[str], pin: bool) -> dict[str, Any]:
         layout_env = side_env(env, devices, pin=pin) if gpus else env
         return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
-                          on_gpu=bool(gpus), prompt_tokens=prompt_tokens, timeout=args.side_timeout,
+                          prompt_tokens=prompt_tokens, timeout=args.side_timeout, layout_keys=keys[name],
                           prompts=prompts[name])
 
     sides: dict[str, dict[str, Any]] = {}
@@ -458,8 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         env={k: env[k] for k in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES") if k in env},
         overrides=[o for o in common if not o.startswith("output_dir=")],
         layouts={n: {"gpus": LAYOUTS[n].gpus, "devices": devices[n],
-                     "prompts_per_step": prompts[n] or w.prompts_per_step,
-                     "overrides": layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n])}
+                     "prompts_per_step": prompts[n] or w.prompts_per_step, "overrides": keys[n]}
                  for n in names},
         sides={n: sides[n] for n in names}, notes=notes, weak=bool(args.weak), schedule=schedule)
     plot = Path(args.plot) if args.plot else results_path.with_suffix(".png")

@@ -425,6 +425,23 @@ def test_scale_layouts_resolve(tmp_path, on_gpu):
                                else cfg.learner.num_ranks)
     assert load_config(w.recipe, list(LAYOUTS["2gpu-zero2"].overrides)).learner.zero_stage == 2
     assert load_config(w.recipe, list(LAYOUTS["8gpu-split-zero3"].overrides)).learner.zero_stage == 3
+    # Two engines beside each learner rank: named on GPU and CPU alike; a split layout refuses it.
+    for name in ("1gpu", "4gpu-fsdp2"):
+        base = our_overrides(w, output_dir=str(tmp_path / name), model_path=str(tmp_path / "model"))
+        gpus = LAYOUTS[name].gpus
+        cfg = load_config(w.recipe, [*base, *layout_overrides(LAYOUTS[name], on_gpu=on_gpu, engines_per_gpu=2)])
+        assert (cfg.cluster.generator_engines, cfg.learner.num_ranks) == (2 * gpus, gpus)
+    with pytest.raises(ValueError, match="colocated layouts only"):
+        layout_overrides(LAYOUTS["4gpu-split-zero2"], on_gpu=on_gpu, engines_per_gpu=2)
+
+
+def test_scale_refuses_engines_per_gpu_on_a_split_layout_in_one_line(tmp_path):
+    from benchmarks.scale import main
+
+    refused = r"^scale.py: --engines-per-gpu 2: 2 engines per GPU: colocated layouts only"
+    with pytest.raises(SystemExit, match=refused):
+        main(["--tiny", "--layouts", "1gpu,2gpu-split", "--engines-per-gpu", "2", "--workdir", str(tmp_path)])
+    assert not (tmp_path / "grpo-gpu-scale-tiny").exists()  # refused before anything ran
 
 
 def test_scale_layouts_on_disjoint_gpus_run_at_once_and_plot(tmp_path):
