@@ -124,6 +124,7 @@ SCALE_ROWS: tuple[tuple[str, str], ...] = (
     ("step_s", "median step s, steps 1..N-1"),
     ("generate_s", "median generate s"),
     ("train_s", "median train s"),
+    ("mfu", "learner MFU (perf/mfu), median of steps 1..N-1"),
     ("sync_s", "median weight sync s"),
     ("sync_engine_max_s", "max engine sync s (sync/engine*_s)"),
     ("samples_per_s", "samples/s: prompts x group / step s"),

@@ -29,6 +29,8 @@ GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("gen_tokens_per_s", "generation tokens/s", "higher"),
     ("train_s", "median train s", "lower"),
     ("train_tokens_per_s", "train tokens/s: prompt+completion / train s", "higher"),
+    ("mfu", "learner MFU (perf/mfu), median of steps 1..N-1", "higher"),
+    ("mfu_min", "learner MFU, lowest of steps 1..N-1", "higher"),
     ("sync_s", "weight sync s", "lower"),
     ("reward_s", "reward s", "lower"),
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
@@ -43,6 +45,8 @@ DPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("startup_s", "start-up s, launch to step 0", "lower"),
     ("step_s", "median step s, steps 1..N-1", "lower"),
     ("train_tokens_per_s", "train tokens/s: chosen+rejected / step s", "higher"),
+    ("mfu", "learner MFU (perf/mfu), median of steps 1..N-1", "higher"),
+    ("mfu_min", "learner MFU, lowest of steps 1..N-1", "higher"),
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
     ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
     ("gpus", "GPUs (nvidia-smi index)", ""),
@@ -78,6 +82,7 @@ def ours_grpo_steps(metrics: Sequence[dict[str, Any]], prompt_tokens: Sequence[i
             "train_s": m.get("timing/train_s", 0.0), "gen_tokens": gen_tokens,
             "train_tokens": float(prompt_tokens[step]) + gen_tokens, "reward_mean": m["reward/mean"],
             "response_len_mean": m["response_len/mean"], "learner_peak_gib": m.get("memory/learner_peak_gib"),
+            "mfu": m.get("perf/mfu"),
         })
     return out
 
@@ -94,7 +99,7 @@ def ours_dpo_steps(metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "step": int(m["step"]), "step_s": step_s, "train_s": step_s,
             "train_tokens": m["throughput/tokens_per_s"] * step_s, "loss": m["loss"],
             "accuracy": m["rewards/accuracy"], "margin": m["rewards/margin"],
-            "learner_peak_gib": m.get("memory/learner_peak_gib"),
+            "learner_peak_gib": m.get("memory/learner_peak_gib"), "mfu": m.get("perf/mfu"),
         })
     return out
 
@@ -172,6 +177,8 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
         "step_s": _median([s["step_s"] for s in timed]),
         "train_s": _median([s.get("train_s") for s in timed]),
         "train_tokens_per_s": _median([_rate(s.get("train_tokens", 0.0), s.get("train_s")) for s in timed]),
+        "mfu": _median([s.get("mfu") for s in timed]),
+        "mfu_min": min((s["mfu"] for s in timed if s.get("mfu") is not None), default=None),
     }
     if algorithm == "grpo":
         out.update(

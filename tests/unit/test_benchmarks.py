@@ -171,9 +171,10 @@ def test_trl_reward_scores_like_our_reward(tmp_path):
 def _our_grpo_metrics():
     return [
         {"step": k, "timing/step_s": s, "timing/generate_s": g, "timing/train_s": t, "timing/sync_s": 0.5,
-         "timing/reward_s": 0.01, "response_len/mean": 10.0, "reward/mean": r, "memory/learner_peak_gib": 2.0}
-        for k, (s, g, t, r) in enumerate([(30.0, 20.0, 9.0, 0.2), (10.0, 4.0, 5.0, 0.4), (12.0, 4.0, 7.0, 0.5),
-                                          (11.0, 5.0, 5.0, 0.6)])
+         "timing/reward_s": 0.01, "response_len/mean": 10.0, "reward/mean": r, "memory/learner_peak_gib": 2.0,
+         "perf/mfu": mfu}
+        for k, (s, g, t, r, mfu) in enumerate([(30.0, 20.0, 9.0, 0.2, 0.1), (10.0, 4.0, 5.0, 0.4, 0.44),
+                                               (12.0, 4.0, 7.0, 0.5, 0.47), (11.0, 5.0, 5.0, 0.6, 0.46)])
     ]
 
 
@@ -187,6 +188,10 @@ def test_our_metrics_become_step_records_and_summary():
     assert summary["train_tokens_per_s"] == pytest.approx(540 / 5)  # median of 560/5, 580/7, 540/5
     assert summary["reward_per_step"] == [0.2, 0.4, 0.5, 0.6] and summary["reward_mean"] == pytest.approx(0.425)
     assert summary["startup_s"] == 40.0 and summary["peak_mem_gib"] == 3.0
+    # the learner's MFU: median and lowest of steps 1..3 (step 0 compiles and warms up)
+    assert summary["mfu"] == 0.46 and summary["mfu_min"] == 0.44
+    table = format_table({"ours": summary, "trl": {"step_s": 22.0}}, "grpo")
+    assert "| learner MFU, lowest of steps 1..N-1 (higher is better) | 0.44 | - | - |" in table.splitlines()
 
 
 def test_ratios_and_table():
