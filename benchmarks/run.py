@@ -62,6 +62,7 @@ from benchmarks.summary import (  # noqa: E402
     ours_grpo_steps,
     out_of_memory,
     parse_gpu_query,
+    plot_step_phases,
     report_text,
     waves,
 )
@@ -132,6 +133,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run nothing: combine the latest record of each side in the results file into one table "
                         "and record (for sides run separately, e.g. under a per-command time limit)")
     p.add_argument("--note", action="append", default=[], help="free text stored with the result (e.g. load)")
+    p.add_argument("--plot", metavar="PNG", help="GRPO: also a bar chart of each side's step by phase")
     return p.parse_args(argv)
 
 
@@ -568,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides=overrides, sides=results, notes=notes, schedule=schedule,
     )
     report(record, results_path)
+    if args.plot and w.algorithm == "grpo":
+        sides_shown = {s: v for s, v in record["summary"].items() if s != "ours-gen"}
+        gpu = (record["machine"].get("gpus") or ["CPU"])[0].split(",")[0]
+        out = plot_step_phases(sides_shown, Path(args.plot), f"{w.name} on {gpu}: median step by phase")
+        print(f"[bench] plot: {out}" if out else "[bench] no plot: no side has a step time")
     return 0 if results and all(r.get("ok") for r in results.values()) else 1
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 TUNED = "-tuned"
@@ -337,6 +338,46 @@ def latest_side_records(records: Sequence[dict[str, Any]], sides: Sequence[str]
         notes.append(f"{side} from the run of {rec['time']} (commit {rec['git']['commit'][:10]}, "
                      f"load {rec['machine'].get('load_avg_1_5_15')})")
     return found, overrides, notes, newest
+
+
+PHASES = (("generate_s", "generate"), ("train_s", "train"), ("sync_s", "weight sync"), ("reward_s", "reward"))
+
+
+def plot_step_phases(summaries: dict[str, dict[str, Any]], out: Path, title: str) -> Path | None:
+    """A GRPO record's sides as horizontal bars of their median step, split into the median phases
+    (`PHASES`) and the rest ("other": the step's median less the phases' medians, never below 0),
+    each bar labelled with its step seconds; None when no side has a step time."""
+    sides = [name for name, s in summaries.items() if s.get("step_s")]
+    if not sides:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.6 * len(sides)))
+    left = [0.0] * len(sides)
+    parts = [*PHASES, ("other", "other")]
+    for key, label in parts:
+        if key == "other":
+            widths = [max(0.0, summaries[n]["step_s"] - sum(summaries[n].get(k) or 0.0 for k, _ in PHASES))
+                      for n in sides]
+        else:
+            widths = [summaries[n].get(key) or 0.0 for n in sides]
+        ax.barh(sides, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    for y, name in enumerate(sides):
+        ax.annotate(f"{summaries[name]['step_s']:.1f} s", (left[y], y), xytext=(4, -3),
+                    textcoords="offset points", fontsize=8)
+    ax.invert_yaxis()  # sides top to bottom in the record's order
+    ax.set(xlabel="median step s, steps 1..N-1", title=title, xlim=(0, max(left) * 1.15))
+    below = -0.12 - 0.45 / len(sides)  # under the x label, whatever the bars' count
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, below), fontsize=8, ncol=len(parts))
+    ax.grid(axis="x", alpha=0.3)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def report_text(record: dict[str, Any]) -> str:

@@ -221,7 +221,9 @@ def test_combined_sides_keep_the_machine_and_commit_they_ran_on(tmp_path, capsys
     results.write_text("".join(json.dumps(side_run(*a)) + "\n" for a in [
         ("ours", "2026-01-01T00:00:00", "a" * 40, "old"), ("ours", "2026-01-02T00:00:00", "b" * 40, "H200"),
         ("trl-vllm", "2026-01-02T00:00:01", "c" * 40, "H200")]))
-    assert main(["--workload", "grpo-gpu", "--combine", "--results", str(tmp_path)]) == 0
+    assert main(["--workload", "grpo-gpu", "--combine", "--results", str(tmp_path), "--plot",
+                 str(tmp_path / "steps.png")]) == 0
+    assert (tmp_path / "steps.png").read_bytes()[:4] == b"\x89PNG"
     combined = json.loads(results.read_text().splitlines()[-1])
     assert set(combined["sides"]) == {"ours", "trl-vllm"} and combined["ratios"]["trl-vllm"]["step_s"] == 1.0
     # the newest side run's host and commit, not this machine's; each side's run named in the notes
@@ -252,6 +254,18 @@ def test_the_gpu_suite_record_takes_the_same_commit_rule(tmp_path, monkeypatch):
     assert (rec["passed"], rec["failed"], rec["seconds"]) == (1, 0, 1.0)
     monkeypatch.setenv("RLHF_COMMIT", "f" * 40)
     assert suite_record([], "bash tests/gpu/run.sh")["commit"] == "f" * 40
+
+
+def test_a_step_by_phase_plot_of_the_sides(tmp_path):
+    from benchmarks.summary import plot_step_phases
+
+    ours = summarize({"steps": ours_grpo_steps(_our_grpo_metrics(), [400, 400, 420, 380], 16)}, "grpo")
+    trl = {"step_s": 22.0, "generate_s": 15.0, "train_s": 9.0, "sync_s": 0.2}  # phases > step: other = 0
+    sides = {"ours": ours, "trl-vllm": trl, "failed": {"step_s": None}}
+    out = plot_step_phases(sides, tmp_path / "p.png", "t")
+    assert out == tmp_path / "p.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_step_phases({"failed": {}}, tmp_path / "none.png", "t") is None
+    assert not (tmp_path / "none.png").exists()
 
 
 def test_dpo_steps_summary_and_record():
