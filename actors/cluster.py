@@ -42,7 +42,14 @@ from actors.reward_worker import RayRewardScorer
 from actors.weight_sync import WeightSyncer, choose_transport, engine_targets
 from rlhf.config import ClusterConfig, ConfigError, RunConfig
 from rlhf.lora import serves_adapters
-from rlhf.rules import device_share, engine_count, engines_per_device, holds_reference_model, reward_gpus
+from rlhf.rules import (
+    device_share,
+    engine_count,
+    engine_generation,
+    engines_per_device,
+    holds_reference_model,
+    reward_gpus,
+)
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group not ready by then will not be: say why instead of hanging
@@ -161,7 +168,7 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
     k = engines_per_device(cfg, engines)
     # K engines of one GPU hold vLLM's share together and start one after another: vLLM sizes its
     # KV cache from the memory it finds free, as build_cluster's comment on the learners says.
-    gen_cfg = dataclasses.replace(cfg.generation, gpu_memory_utilization=cfg.generation.gpu_memory_utilization / k)
+    gen_cfg = engine_generation(cfg.generation, k)
     group = ActorGroup(
         load_class(GENERATORS[cfg.generation.backend]), name="engine", pg=pg, bundles=layout.engine_bundles,
         **_share(layout.engine_share),

@@ -23,10 +23,14 @@ Shared decisions, each a section of docs/design/learners.md:
   is the same model with its adapters off, so no reference copy exists.
 - Non-finite steps: a NaN/inf loss or grad norm on any rank skips the step on all of them; what
   follows is the driver's (`rlhf.run.metrics.TrainHealth`).
+- Frozen heap (`actors.worker_setup.freeze_heap`): what the constructor built, then what survives
+  the first train step (compiled kernels, autotuning), is frozen out of the cyclic collector: an
+  automatic full collection would otherwise walk those ~10^6 objects inside an early train step.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -45,7 +49,7 @@ from actors.host_cores import pin_process
 from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
-from actors.worker_setup import gc_paused, wait_for
+from actors.worker_setup import freeze_heap, gc_paused, wait_for
 from rlhf.algo.objectives import is_max_metric, merge_metrics, metric_floats, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
@@ -166,6 +170,8 @@ class LearnerRank:
         torch.manual_seed(seed)
         context = RankContext(rank, world_size, learner_cfg, model_cfg, self.device)
         self.sharding: Sharding = sharding_cls(context, model_path, with_reference)
+        self._heap_settled = False  # "Frozen heap": again after the first train step
+        freeze_heap()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -245,6 +251,9 @@ class LearnerRank:
         seconds = time.perf_counter() - start
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
+        if not self._heap_settled:  # "Frozen heap"
+            freeze_heap(collect=True)
+            self._heap_settled = True
         metrics = self._reduce(metric_floats(sums), grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
         metrics.values.update({"train/nonfinite_skipped": float(skipped), "train/nonfinite_params": float(broken),
                                **self._perf(flops, seconds)})
@@ -419,8 +428,10 @@ class LearnerRank:
         self.sharding.load_state(Path(path) / "train_state")
 
     def shutdown(self) -> None:
+        """Leave the process group, and nothing frozen ("Frozen heap") in a process that lives on."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.unfreeze()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ import torch
 from actors.device import Device, detect, isolate_cpu_compile_cache
 from actors.host_cores import pin_process
 from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
-from actors.worker_setup import gc_paused, wait_for
+from actors.worker_setup import freeze_heap, gc_paused, wait_for
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
 from actors.vllm_worker import IpcHandle
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig
@@ -99,7 +99,7 @@ class VLLMGenerator:
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores
         # Sleep mode needs the CUDA memory-pool allocator; on CPU the constructor would refuse it.
         self.sleep_enabled = enable_sleep and self.device.kind == "cuda"
-        gc.freeze()  # "Start-up GC"
+        freeze_heap()  # "Start-up GC"
         try:
             self.llm = LLM(
                 model=model_path,

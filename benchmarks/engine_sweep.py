@@ -58,12 +58,11 @@ def _spec(cfg: Any, call: int, ignore_eos: bool) -> Any:
 
 def _generator(cfg: Any, engines: int = 1) -> Any:
     """A fresh VLLMGenerator for `cfg` holding 1/`engines` of its memory share, no sleep mode."""
-    from dataclasses import replace
-
     from actors.vllm_generator import VLLMGenerator
     from rlhf.data.assets import resolve_model_path
+    from rlhf.rules import engine_generation
 
-    g = replace(cfg.generation, gpu_memory_utilization=cfg.generation.gpu_memory_utilization / engines)
+    g = engine_generation(cfg.generation, engines)
     return VLLMGenerator(resolve_model_path(cfg.model.path), g, dtype=cfg.model.dtype, seed=cfg.seed,
                          enable_sleep=False)
 

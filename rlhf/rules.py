@@ -3,7 +3,8 @@ once: the cluster that builds a run, the memory planner that sizes it and the lo
 all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports).
 
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
-- `engines_per_device`: how many of them share one learner's device (colocated).
+- `engines_per_device`: how many of them share one learner's device (colocated), and
+  `engine_generation` the memory share of each.
 - `scores_reference`: whether the loop asks for reference log-probs every step.
 - `holds_reference_model`: whether the learners keep a frozen reference copy of the model for that.
 - `learner_state`: what a learner backend keeps of the model between steps, and where; the memory
@@ -12,9 +13,9 @@ all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from rlhf.config import LearnerConfig, RewardConfig, RunConfig
+from rlhf.config import GenerationConfig, LearnerConfig, RewardConfig, RunConfig
 from rlhf.errors import ConfigError
 
 
@@ -64,6 +65,14 @@ def engines_per_device(cfg: RunConfig, engines: int) -> int:
     `generation.gpu_memory_utilization` of the device, each an equal part of it."""
     ranks = cfg.learner.num_ranks
     return engines // ranks if cfg.cluster.placement == "colocated" and engines > ranks else 1
+
+
+def engine_generation(generation: GenerationConfig, per_device: int) -> GenerationConfig:
+    """The generation settings of one of `per_device` engines on a device (`engines_per_device`): an
+    equal part of `generation.gpu_memory_utilization` each."""
+    if per_device <= 1:
+        return generation
+    return replace(generation, gpu_memory_utilization=generation.gpu_memory_utilization / per_device)
 
 
 def run_gpus(cfg: RunConfig, engines: int) -> int:

@@ -316,3 +316,28 @@ def test_update_on_the_rank_equals_the_driver_round_trip(tiny_qwen2):
                                                                        metrics.values["kl"])
     assert on_rank.values["kl"] > 0  # the second update moved the policy away from the reference
     assert expected.keys() == weights.keys() and all(torch.equal(expected[n], weights[n]) for n in expected)
+
+
+def test_the_learner_freezes_its_heap_after_start_up_and_its_first_step(tiny_qwen2):
+    """"Frozen heap": the constructor freezes what it built and the first train step what survives it,
+    so later steps leave the collector only their own young objects; later steps freeze nothing more,
+    and the shutdown leaves nothing frozen."""
+    import gc
+
+    from transformers import AutoConfig
+
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    store = rendezvous_store(1)
+    learner = _make_learner(0, 1, store.port, str(tiny_qwen2), LEARNER, with_reference=False)
+    try:
+        built = gc.get_freeze_count()
+        learner.train_step(batch, GRPOObjective())
+        first, young = gc.get_freeze_count(), len(gc.get_objects())
+        learner.train_step(batch, GRPOObjective())
+        later = gc.get_freeze_count()
+    finally:
+        _close(learner)
+    assert built > 100_000  # torch, transformers and the model, at least
+    assert first >= built and young < first // 20
+    assert later <= first  # frozen objects still die by refcount; a second freeze would add the step's
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -100,6 +100,20 @@ def test_the_planner_counts_the_engines_the_cluster_builds():
     assert engines(load_config(None, ["algorithm=dpo"])) == 0
 
 
+def test_engines_sharing_a_gpu_split_its_memory_share():
+    """K colocated engines beside each learner rank hold vLLM's share of the GPU together, 1/K each;
+    split engines (a GPU each) and one engine per rank keep the whole share."""
+    from rlhf.rules import engine_generation, engines_per_device
+
+    two = _cfg("learner.num_ranks=2", "cluster.generator_engines=4", "generation.gpu_memory_utilization=0.5")
+    k = engines_per_device(two, 4)
+    assert k == 2 and engine_generation(two.generation, k).gpu_memory_utilization == 0.25
+    one = _cfg("learner.num_ranks=2", "generation.gpu_memory_utilization=0.5")
+    assert engines_per_device(one, 2) == 1 and engine_generation(one.generation, 1) is one.generation
+    split = _cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=4")
+    assert engines_per_device(split, 4) == 1
+
+
 @pytest.mark.parametrize("overrides,gpus,message", [
     (["cluster.placement=split", "learner.num_ranks=8"], 8, "leave 0"),
     (["cluster.placement=split", "learner.num_ranks=5", "cluster.generator_tp=2"], 8, "not a positive multiple"),
