@@ -99,6 +99,9 @@ class Breakdown:
     judge model's engine (`reward_memory`); on GPU 0 colocated, on its own GPU split."""
     reward_resident: float = 0.0
     """What the reward worker keeps on GPU 0 while the learner trains (colocated: a judge's engine only)."""
+    engines_here: int = 1
+    """vLLM engines on this GPU (`rlhf.rules.engines_per_device`), each with its own weights, overhead,
+    context and at least one full-length row."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
     g = 1 / GIB
     return Breakdown(weights * g, masters * g, grads * g, optimizer * g, reference * g, activations * g,
                      logits * g, buffers * g, peak * g, resident * g, vllm_weights * g, vllm_kv * g, kv_needed * g,
-                     asleep * g, contexts * g, margin * g, need * g, tokens, scoring * g, kept * g)
+                     asleep * g, contexts * g, margin * g, need * g, tokens, scoring * g, kept * g, k)
 
 
 RM_ACT_HIDDEN, RM_ACT_MLP = 4, 3  # a reward model's live activations per token of one layer: 4h + 3f
@@ -262,8 +265,7 @@ def vllm_fits(bd: Breakdown, cfg: RunConfig, shape: ModelShape, gpu: GpuKind) ->
     share = cfg.generation.gpu_memory_utilization * gpu.memory_gib
     # split: the GPU is vLLM's, whose own pool needs no fragmentation margin
     split_ok = cfg.cluster.placement == "colocated" or share + CONTEXT_GIB <= gpu.memory_gib
-    k = engines_per_device(cfg, engines(cfg))  # each engine of a GPU needs its overhead and one row
-    return split_ok and share >= bd.vllm_weights + k * (VLLM_OVERHEAD_GIB + one_row)
+    return split_ok and share >= bd.vllm_weights + bd.engines_here * (VLLM_OVERHEAD_GIB + one_row)
 
 
 def predicted_learner_peak_gib(cfg: RunConfig, gpu: str = "h100-80gb") -> float:
@@ -364,7 +366,7 @@ def _utilization(cfg: RunConfig, bd: Breakdown, gpu: GpuKind) -> float:
     if cfg.cluster.placement == "split":
         return 0.9
     room = (1 - FRAGMENTATION) * gpu.memory_gib - bd.contexts - bd.learner_resident - bd.reward_scoring
-    want = bd.vllm_weights + engines_per_device(cfg, engines(cfg)) * VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
+    want = bd.vllm_weights + bd.engines_here * VLLM_OVERHEAD_GIB + bd.vllm_kv_needed
     return max(0.1, min(math.ceil(20 * want / gpu.memory_gib), math.floor(20 * room / gpu.memory_gib)) / 20)
 
 
