@@ -108,9 +108,8 @@ def gc_paused() -> Iterator[None]:
 def freeze_heap(collect: bool = False) -> None:
     """Move every object alive now out of the cyclic collector's reach (`gc.freeze`), after
     collecting the garbage first with `collect`. A long-lived process's start-up objects (modules,
-    the model, compiled kernels) then cost no automatic full collection anything: one walk over
-    ~10^6 of them takes 0.2 s on a 2-core VM, and a learner's first full collection after start-up
-    would land inside a train step."""
+    the model, compiled kernels) then cost no automatic full collection anything: a walk over ~10^6
+    of them would otherwise land inside a train step (benchmarks/README.md measures it)."""
     if collect:
         gc.collect()
     gc.freeze()
