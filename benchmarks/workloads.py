@@ -145,7 +145,7 @@ def our_overrides(w: Workload, *, output_dir: str, model_path: str | None = None
     model = model_path or w.model
     common = [f"model.path={model}", f"seed={w.seed}", f"learner.lr={w.lr}",
               f"learner.micro_batch_size={w.micro_batch_size}", f"output_dir={output_dir}",
-              "save_every=0", "eval_every=0", "resume=false"]
+              "save_every=-1", "eval_every=0", "resume=false"]
     if w.algorithm == "grpo":
         out = [*common, f"data.task={w.task}", f"data.seed={w.seed}", f"grpo.prompts_per_step={w.prompts_per_step}",
                f"grpo.group_size={w.group_size}", f"grpo.steps={w.steps}",

@@ -402,7 +402,7 @@ class RunConfig:
     seed: int = 0
     output_dir: str = "outputs/run"
     save_every: int = 0
-    """Checkpoint every K steps (0: only at the end)."""
+    """Checkpoint every K steps (0: only at the end; -1: never, e.g. for a benchmark's timed steps)."""
     keep_checkpoints: int = 0
     """Keep only the newest N complete checkpoints, deleting older ones after each save (0: keep all)."""
     resume: bool | Literal["previous"] = False

@@ -51,7 +51,7 @@ def validate(c: RunConfig) -> None:
 
 def _run(c: RunConfig) -> None:
     check(c.seed >= 0, "seed", "an integer >= 0", c.seed)
-    check(c.save_every >= 0, "save_every", "an integer >= 0 (0 = only at the end)", c.save_every)
+    check(c.save_every >= -1, "save_every", "an integer >= -1 (0 = only at the end, -1 = never)", c.save_every)
     check(c.keep_checkpoints >= 0, "keep_checkpoints", "an integer >= 0 (0 = keep all)", c.keep_checkpoints)
     check(c.eval_every >= 0, "eval_every", "an integer >= 0 (0 = never)", c.eval_every)
     check(not (c.overwrite and c.resume), "overwrite", "false when resume is set (resume continues the run "

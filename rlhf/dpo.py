@@ -38,7 +38,7 @@ from rlhf.data.batching import pairs_to_batch
 from rlhf.data.preferences import PreferenceData
 from rlhf.data.stream import PromptStream
 from rlhf.protocols import LearnerGroup
-from rlhf.rules import scores_reference
+from rlhf.rules import checkpoint_due, scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint
 from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.types import PreferenceBatch, PreferencePair, StepMetrics
@@ -73,7 +73,7 @@ def run_dpo(cfg: RunConfig, learners: LearnerGroup, data: PreferenceData, pad_id
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or last):
             record.update(evaluate_pairs(learners, data.eval, reference.eval, objective, pad_id))
         log.log(step, record)
-        if last or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        if checkpoint_due(step + 1, total, cfg.save_every):
             save_checkpoint(cfg.output_dir, step + 1, learners, {"prompts": stream.state_dict()}, keep=cfg.keep_checkpoints)
     log.close()
 

@@ -41,7 +41,7 @@ from rlhf.errors import RunError
 from rlhf.evaluate import EvalSet, Evaluator
 from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
-from rlhf.rules import scores_reference
+from rlhf.rules import checkpoint_due, scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint
 from rlhf.run.metrics import MetricsLogger, PhaseTimer, TrainHealth
 from rlhf.sampling import collect_rollouts, filter_overlong
@@ -91,7 +91,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
         timer.seconds["timing/step_s"] = time.perf_counter() - t0
         log.log(step, {**step_metrics(step, rollouts, batch, train_metrics, timer.seconds), **rollouts.engine_metrics,
                        **sync_metrics, **sampling_metrics, **overlong_metrics, **signal, **evals})
-        if step + 1 == cfg.grpo.steps or (cfg.save_every and (step + 1) % cfg.save_every == 0):
+        if checkpoint_due(step + 1, cfg.grpo.steps, cfg.save_every):
             save_checkpoint(cfg.output_dir, step + 1, cluster.learners, {"prompts": rollout_queue.state_dict()},
                             keep=cfg.keep_checkpoints)
     if evaluator is not None:  # the trained policy

@@ -5,6 +5,7 @@ all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports)
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
 - `engines_per_device`: how many of them share one learner's device (colocated), and
   `engine_generation` the memory share of each.
+- `checkpoint_due`: whether the loop saves a checkpoint after a step (`save_every`).
 - `scores_reference`: whether the loop asks for reference log-probs every step.
 - `holds_reference_model`: whether the learners keep a frozen reference copy of the model for that.
 - `learner_state`: what a learner backend keeps of the model between steps, and where; the memory
@@ -80,6 +81,13 @@ def run_gpus(cfg: RunConfig, engines: int) -> int:
     the engines' own and the reward worker's (`reward_gpus`) in split placement."""
     split = cfg.cluster.placement == "split"
     return cfg.learner.num_ranks + (engines * cfg.cluster.generator_tp if split else 0) + reward_gpus(cfg)
+
+
+def checkpoint_due(steps_done: int, total_steps: int, save_every: int) -> bool:
+    """Save after this step? Every `save_every` steps and after the last one; `save_every=-1`: never."""
+    if save_every < 0:
+        return False
+    return steps_done == total_steps or (save_every > 0 and steps_done % save_every == 0)
 
 
 def device_share(reward: RewardConfig) -> bool:

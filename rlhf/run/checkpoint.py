@@ -39,7 +39,7 @@ import torch
 
 from rlhf.errors import CheckpointError, ConfigError, RunError
 from rlhf.protocols import LearnerGroup
-from rlhf.rules import learner_state
+from rlhf.rules import checkpoint_due, learner_state
 from rlhf.run import signing
 from rlhf.run.signing import MANIFEST, read_run_state, write_run_state
 
@@ -330,10 +330,11 @@ def _coexisting(cfg: RunConfig, start: int) -> tuple[int, bool]:
     run sized by epochs has a step count only the data tells)."""
     steps = cfg.grpo.steps if cfg.algorithm == "grpo" else cfg.dpo.max_steps
     keep = cfg.keep_checkpoints
+    if cfg.save_every < 0:
+        return 0, True
     if not steps:
         return (keep + 1 if keep else 1), False
-    every = cfg.save_every
-    saves = sum(1 for s in range(start + 1, steps + 1) if s == steps or (every and s % every == 0))
+    saves = sum(1 for s in range(start + 1, steps + 1) if checkpoint_due(s, steps, cfg.save_every))
     return (min(saves, keep + 1) if keep else saves), True
 
 
@@ -358,7 +359,7 @@ def check_checkpoint_space(cfg: RunConfig, model_path: str | Path) -> None:
     if count * one <= free:
         return
     shrink = [] if cfg.keep_checkpoints == 1 or count == 1 else ["keep_checkpoints=1"]
-    if cfg.save_every and count > 1:
+    if cfg.save_every > 0 and count > 1:
         shrink.append(f"a larger save_every (now {cfg.save_every})")
     if not cfg.learner.lora_rank:
         shrink.append("learner.lora_rank=16 (no optimizer state for the base weights)")

@@ -44,7 +44,7 @@ def test_grpo_cpu_spec_reaches_our_config(tmp_path):
     assert (cfg.model.path, cfg.data.task, cfg.seed, cfg.data.seed) == ("smollm2-135m-instruct", "arithmetic_1digit", 0, 0)
     assert (cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.steps) == (8, 8, 5)
     assert (cfg.generation.max_new_tokens, cfg.learner.lr, cfg.learner.micro_batch_size) == (32, 2e-5, 64)
-    assert cfg.output_dir == str(tmp_path / "run") and cfg.save_every == 0 and cfg.eval_every == 0
+    assert cfg.output_dir == str(tmp_path / "run") and cfg.save_every == -1 and cfg.eval_every == 0
 
 
 @pytest.mark.parametrize("use_vllm", [False, True])

@@ -316,6 +316,19 @@ def test_preflight_counts_the_checkpoints_that_coexist(tmp_path, tiny_qwen2, mon
     assert ckpt.checkpoint_bytes(lora, model_shape(str(tiny_qwen2)), tiny_qwen2) < 0.6 * one
 
 
+def test_save_every_minus_one_saves_nothing_and_needs_no_disk(tmp_path, tiny_qwen2, monkeypatch):
+    """`save_every=-1` (benchmarks): no step is due, not even the last, and the preflight asks for no space."""
+    from rlhf.rules import checkpoint_due
+
+    assert [s for s in range(1, 11) if checkpoint_due(s, 10, 4)] == [4, 8, 10]
+    assert [s for s in range(1, 11) if checkpoint_due(s, 10, 0)] == [10]
+    assert not any(checkpoint_due(s, 10, -1) for s in range(1, 11))
+    fake_free(monkeypatch, 0)
+    ckpt.check_checkpoint_space(tiny_cfg(tmp_path, "grpo.steps=10", "save_every=-1"), tiny_qwen2)
+    with pytest.raises(ConfigError, match=r"^save_every=-2 is not allowed: an integer >= -1 "):
+        tiny_cfg(tmp_path, "save_every=-2")
+
+
 def test_preflight_stops_the_command_line_before_ray(tmp_path, monkeypatch, capsys):
     import importlib.util
 
