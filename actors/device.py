@@ -89,6 +89,12 @@ class Device(Protocol):
 
     def reset_peak(self) -> None: ...
 
+    def allocator_calls(self) -> tuple[int, int]:
+        """(driver allocations, failed ones retried after freeing the cache) of this process's caching
+        allocator so far; each is a slow call inside a step, and a retry also a device-wide sync.
+        (0, 0) where there is no such allocator (CPU)."""
+        ...
+
     def share_host_threads(self, processes: int) -> None:
         """Size this process's intra-op thread pool for `processes` busy processes on the host."""
         ...
@@ -134,6 +140,10 @@ class CudaDevice:
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats()
+
+    def allocator_calls(self) -> tuple[int, int]:
+        stats = torch.cuda.memory_stats()
+        return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
 
     def share_host_threads(self, processes: int) -> None:
         pass  # the GPU does the work; keep the launcher's thread count
@@ -196,6 +206,9 @@ class CpuDevice:
                 f.write("5")
         except OSError:
             pass
+
+    def allocator_calls(self) -> tuple[int, int]:
+        return 0, 0
 
     def share_host_threads(self, processes: int) -> None:
         # Ray gives an actor with a fractional CPU share one thread. Learners never run while the

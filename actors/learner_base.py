@@ -26,6 +26,8 @@ Shared decisions, each a section of docs/design/learners.md:
 - Frozen heap (`actors.worker_setup.freeze_heap`): what the constructor built, then what survives
   the first train step (compiled kernels, autotuning), is frozen out of the cyclic collector: an
   automatic full collection would otherwise walk those ~10^6 objects inside an early train step.
+- Host stalls: a train step reports the worst rank's collector time and, on a GPU, its allocator's
+  driver calls (`perf/gc_s`, `perf/device_mallocs`, ...: docs/monitoring.md), which a slow step shows.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from actors.host_cores import pin_process
 from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
-from actors.worker_setup import freeze_heap, gc_paused, wait_for
+from actors.worker_setup import GcClock, freeze_heap, gc_paused, wait_for
 from rlhf.algo.objectives import is_max_metric, merge_metrics, metric_floats, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
@@ -171,6 +173,7 @@ class LearnerRank:
         context = RankContext(rank, world_size, learner_cfg, model_cfg, self.device)
         self.sharding: Sharding = sharding_cls(context, model_path, with_reference)
         self._heap_settled = False  # "Frozen heap": again after the first train step
+        self._gc = GcClock()  # "Host stalls"
         freeze_heap()
 
     @property
@@ -227,6 +230,7 @@ class LearnerRank:
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
         self.device.synchronize()
+        gc_s, gc_full, allocs = self._gc.seconds, self._gc.full, self.device.allocator_calls()
         start = time.perf_counter()
         units = torch.tensor([float(sum(objective.num_units(mb) for _, mb in mbs))], dtype=torch.float64,
                              device=self._dev)
@@ -249,6 +253,10 @@ class LearnerRank:
         broken = not skipped and not self._weights_finite()
         self.device.synchronize()
         seconds = time.perf_counter() - start
+        stalls = {"perf/gc_s": self._gc.seconds - gc_s, "perf/gc_full": float(self._gc.full - gc_full)}
+        if self.device.kind == "cuda":
+            now = self.device.allocator_calls()
+            stalls.update({"perf/device_mallocs": float(now[0] - allocs[0]), "perf/alloc_retries": float(now[1] - allocs[1])})
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
         if not self._heap_settled:  # "Frozen heap"
@@ -256,7 +264,7 @@ class LearnerRank:
             self._heap_settled = True
         metrics = self._reduce(metric_floats(sums), grad_norm=grad_norm, num_tokens=int(batch.loss_mask.sum()))
         metrics.values.update({"train/nonfinite_skipped": float(skipped), "train/nonfinite_params": float(broken),
-                               **self._perf(flops, seconds)})
+                               **self._perf(flops, seconds, stalls)})
         return metrics
 
     def update(self, batch: TrainBatch, objective: Objective, reference: bool, updates: int) -> StepMetrics:
@@ -298,15 +306,17 @@ class LearnerRank:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
 
-    def _perf(self, flops: float, seconds: float) -> dict[str, float]:
+    def _perf(self, flops: float, seconds: float, stalls: dict[str, float]) -> dict[str, float]:
         """Model FLOP/s of the step per device (`perf/tflops_per_device`) and, where the device's
-        peak is known, `perf/mfu`: the ranks' model FLOPs over (slowest rank's seconds x ranks x peak)."""
+        peak is known, `perf/mfu`: the ranks' model FLOPs over (slowest rank's seconds x ranks x peak);
+        `stalls` (host pauses inside the step: "Host stalls") as their maximum over ranks."""
         total = torch.tensor([flops], dtype=torch.float64, device=self._dev)
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=self._dev)
+        maxima = torch.tensor([seconds, *stalls.values()], dtype=torch.float64, device=self._dev)
         dist.all_reduce(total)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        per_device = float(total) / max(float(slowest), 1e-9) / self.world_size
-        out = {"perf/tflops_per_device": per_device / 1e12}
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        slowest, *worst = maxima.tolist()
+        per_device = float(total) / max(slowest, 1e-9) / self.world_size
+        out = {"perf/tflops_per_device": per_device / 1e12, **dict(zip(stalls, worst))}
         if self.peak_flops:
             out["perf/mfu"] = per_device / self.peak_flops
         return out
@@ -432,6 +442,7 @@ class LearnerRank:
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.unfreeze()
+        self._gc.close()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,6 +114,27 @@ def freeze_heap(collect: bool = False) -> None:
     if collect:
         gc.collect()
     gc.freeze()
+
+
+class GcClock:
+    """Seconds this process has spent in Python's cyclic collector, and how many full (oldest
+    generation) collections it ran, since it was made (`gc.callbacks`): a learner reports the
+    difference over each train step, so a pause inside a step shows as itself."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._start
+        self.full += info.get("generation") == 2
+
+    def close(self) -> None:
+        if self._tick in gc.callbacks:
+            gc.callbacks.remove(self._tick)
 
 
 _RENDEZVOUS = "torch.distributed.rendezvous"

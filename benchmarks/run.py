@@ -248,7 +248,7 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
     t_launch = time.time()
     env = {**env, "BENCH_T0": repr(t_launch)}
     watched = visible_gpus(env) if env.get("CUDA_VISIBLE_DEVICES") is not None else None
-    peak_mem, gpu_peaks, step0_start = 0.0, {}, None
+    peak_mem, gpu_peaks, step0_start, timed_out = 0.0, {}, None, False
     with log.open("w") as out:
         cores = f"  # on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
         out.write("$ " + shlex.join(cmd) + cores + "\n")
@@ -263,12 +263,13 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
                 if metrics is not None and step0_start is None:
                     step0_start = first_step_start(metrics)
                 if time.time() - t_launch > timeout:
+                    timed_out = True
                     stop_group(proc)
                     break
                 time.sleep(poll_s)
         finally:
             _RUNNING.discard(proc)
-    return {"returncode": proc.returncode, "wall_s": time.time() - t_launch, "peak_mem_gib": peak_mem,
+    return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t_launch, "peak_mem_gib": peak_mem,
             "peak_gpu_gib": max(gpu_peaks.values(), default=None), "peak_gpu_gib_per_gpu": gpu_peaks,
             "startup_s": None if step0_start is None else step0_start - t_launch,
             "log": str(log), "command": shlex.join(cmd), "cpus": env.get("BENCH_CPUS")}

@@ -6,6 +6,7 @@
     .venv/bin/python benchmarks/scale.py --weak 64                 # weak scaling: 64 prompts per GPU
     .venv/bin/python benchmarks/scale.py --engines-per-gpu 2       # two engines beside each learner rank
     .venv/bin/python benchmarks/scale.py --tiny --layouts 1gpu,2gpu-fsdp2 --steps 2   # the code path, on CPU
+    bash benchmarks/gpu_scale.sh --prompts 256 --deadline 520      # a record in 520 s, whatever finished
 
 Layouts (`LAYOUTS`), each a run of scripts/train_grpo.py on the `grpo-gpu-scale` workload: colocated
 (an engine and a learner rank per GPU: FSDP2, ZeRO-2, ZeRO-3) and split (some GPUs generate, the
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import statistics
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -67,6 +69,8 @@ BASELINE = "1gpu"
 SPEEDUP_TARGETS = {2: 1.8, 4: 3.4}  # samples/s against 1 GPU's, on the same work
 WEAK_TARGET = 0.9  # weak scaling: samples/s per GPU against 1 GPU's
 SYNC_TARGET_S = 0.3
+MIN_SIDE_S = 90.0  # under --deadline, a wave with less time than this left is not started
+RECORD_S = 20.0  # what --deadline keeps for stopping the last layouts and writing the record
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,19 @@ def summarize_layout(run: dict[str, Any], *, gpus: int, samples_per_step: int) -
     return out
 
 
+def usable(run: dict[str, Any]) -> bool:
+    """Whether a layout's run counts: it finished, or it was stopped (its time limit, `--deadline`)
+    after at least one step past step 0, whose figures then stand for it (`stopped_line` says so)."""
+    return bool(run.get("ok")) or len(run.get("steps") or []) >= 2
+
+
+def stopped_line(name: str, run: dict[str, Any], planned: int) -> str:
+    """One line under the table for a layout that was stopped but counts (`usable`)."""
+    done = len(run["steps"])
+    why = f"at its {run['timeout_s']:.0f} s limit" if run.get("timed_out") else f"({last_line(run.get('error'))})"
+    return f"{name} was stopped {why} after {done} of {planned} steps: its figures are steps 1-{done - 1}"
+
+
 def with_speedups(summaries: dict[str, dict[str, Any]], baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     """Each summary plus `speedup`: its samples/s over the baseline layout's (None without one)."""
     base = summaries.get(baseline, {}).get("samples_per_s")
@@ -305,7 +322,7 @@ def build_scale_record(*, workload: dict[str, Any], time: str, command: str, git
         return layouts[name].get("prompts_per_step", workload["prompts_per_step"]) * workload["group_size"]
 
     summary = with_speedups({name: summarize_layout(side, gpus=layouts[name]["gpus"], samples_per_step=samples(name))
-                             for name, side in sides.items() if side.get("ok")})
+                             for name, side in sides.items() if usable(side)})
     return {"workload": workload["name"], "time": time, "command": command, "git": git, "machine": machine,
             "versions": versions, "env": env, "spec": workload, "overrides": overrides, "layouts": layouts,
             "sides": sides, "summary": summary, "targets": target_lines(summary, weak), "notes": notes,
@@ -343,6 +360,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="outputs/bench", help="run folders and logs (default: %(default)s)")
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
     p.add_argument("--side-timeout", type=float, default=3600, help="seconds before a layout's run is stopped")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="seconds for the whole benchmark: layouts are stopped in time to write the record (a "
+                        f"stopped layout's finished steps still count), and a wave with under {MIN_SIDE_S:.0f} s "
+                        "left is not started")
     p.add_argument("--note", action="append", default=[], help="free text stored with the result (e.g. load)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of our recipe for every layout (repeatable), e.g. learner.fused_head=false")
@@ -405,9 +426,12 @@ def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, m
     cores = f" on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
     print(f"[scale] {name}: running{cores} (log: {side_dir / 'log.txt'})", flush=True)
     run = run_ours(w, overrides, side_dir, env, timeout)
-    run.update(side=name, overrides=overrides, cluster=run_cluster(side_dir, run["log"]),
+    run.update(side=name, timeout_s=timeout, overrides=overrides, cluster=run_cluster(side_dir, run["log"]),
                steps=layout_steps(run["metrics"], prompt_tokens, (prompts or w.prompts_per_step) * w.group_size))
-    print(f"[scale] {name}: {'ok' if run['ok'] else 'FAILED'} in {run['wall_s']:.0f} s", flush=True)
+    status = "ok" if run["ok"] else "STOPPED at its time limit" if run.get("timed_out") else "FAILED"
+    if not run["ok"] and run["steps"]:
+        status += f" after {len(run['steps'])} step(s)"
+    print(f"[scale] {name}: {status} in {run['wall_s']:.0f} s", flush=True)
     return run
 
 
@@ -466,14 +490,25 @@ def main(argv: list[str] | None = None) -> int:
         print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
                                                  for wave in schedule), flush=True)
 
+    end = None if args.deadline is None else time.monotonic() + args.deadline
+
+    def time_left() -> float:
+        return args.side_timeout if end is None else min(args.side_timeout, end - time.monotonic() - RECORD_S)
+
     def run(name: str, devices: list[str], pin: bool) -> dict[str, Any]:
         layout_env = side_env(env, devices, pin=pin) if gpus else env
         return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
-                          prompt_tokens=prompt_tokens, timeout=args.side_timeout, layout_keys=keys[name],
+                          prompt_tokens=prompt_tokens, timeout=time_left(), layout_keys=keys[name],
                           prompts=prompts[name])
 
     sides: dict[str, dict[str, Any]] = {}
     for wave in schedule:
+        if end is not None and time_left() < MIN_SIDE_S:
+            why = f"not started: {max(time_left(), 0):.0f} s of --deadline {args.deadline:g} left"
+            print(f"[scale] {', '.join(wave)}: {why}", flush=True)
+            sides.update({n: {"side": n, "ok": False, "steps": [], "gpus": g, "wall_s": 0.0, "error": why}
+                          for n, g in wave.items()})
+            continue
         pin = len(wave) > 1 and not args.no_pin
         sides.update(run_wave(wave, lambda name, devices, pin=pin: run(name, devices, pin)))
     devices = {n: g for wave in schedule for n, g in wave.items()}
@@ -494,9 +529,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(names: list[str], record: dict[str, Any], path: Path, plot: Path) -> None:
     """Print the table and the target lines; append the record to `path`; the scaling plot to `plot`."""
-    errors = {n: last_line(s.get("error")) for n, s in record["sides"].items() if not s.get("ok")}
+    errors = {n: last_line(s.get("error")) for n, s in record["sides"].items() if not usable(s)}
     print()
     print(format_scale_table(names, record["summary"], errors))
+    for name, side in record["sides"].items():
+        if usable(side) and not side.get("ok"):
+            print(stopped_line(name, side, record["spec"]["steps"]))
     print()
     for line in record["targets"]:
         print(line)

@@ -341,3 +341,26 @@ def test_the_learner_freezes_its_heap_after_start_up_and_its_first_step(tiny_qwe
     assert first >= built and young < first // 20
     assert later <= first  # frozen objects still die by refcount; a second freeze would add the step's
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_train_step_reports_the_collector_pausing_it(tiny_qwen2):
+    """"Host stalls": a full collection inside a train step (forced here by a forward hook) shows in
+    that step's `perf/gc_s` and `perf/gc_full`; a CPU learner has no caching allocator to report."""
+    import gc
+
+    from transformers import AutoConfig
+
+    batch = make_batch(AutoConfig.from_pretrained(tiny_qwen2).vocab_size)
+    store = rendezvous_store(1)
+    learner = _make_learner(0, 1, store.port, str(tiny_qwen2), LEARNER, with_reference=False)
+    def collect(*_) -> None:  # returns nothing, so the forward's output stands
+        gc.collect()
+
+    try:
+        hook = learner.model.register_forward_hook(collect)
+        paused = learner.train_step(batch, GRPOObjective()).values
+        hook.remove()
+    finally:
+        _close(learner)
+    assert paused["perf/gc_full"] >= 1 and paused["perf/gc_s"] > 0
+    assert "perf/device_mallocs" not in paused and "perf/alloc_retries" not in paused

@@ -399,6 +399,60 @@ def test_scale_targets_table_and_record():
     assert lines[-1] == "2gpu-split failed: RuntimeError: NCCL error"
 
 
+def test_a_stopped_layout_counts_with_the_steps_it_finished():
+    """A layout stopped at its time limit after steps 0-2 of 4 is summarized from steps 1-2 and says
+    so under the table; one stopped before step 1 finished is a failure."""
+    from benchmarks.scale import build_scale_record, stopped_line, usable
+
+    runs = _scale_runs()
+    stopped = {**runs["2gpu-zero2"], "ok": False, "timed_out": True, "timeout_s": 330.0, "error": "log tail",
+               "steps": runs["2gpu-zero2"]["steps"][:3]}
+    assert usable(stopped) and not usable({**stopped, "steps": stopped["steps"][:1]})
+    record = build_scale_record(
+        workload={**WORKLOADS["grpo-gpu-scale"].to_dict(), "prompts_per_step": 16, "group_size": 4}, time="t",
+        command="c", git={}, machine={}, versions={}, env={}, overrides=[], notes=[],
+        layouts={"1gpu": {"gpus": 1, "overrides": []}, "2gpu-zero2": {"gpus": 2, "overrides": []}},
+        sides={"1gpu": runs["1gpu"], "2gpu-zero2": stopped})
+    assert record["summary"]["2gpu-zero2"]["step_s"] == 4.5  # the median of steps 1 and 2 (5.0, 4.0)
+    assert record["summary"]["2gpu-zero2"]["speedup"] == pytest.approx(8.0 / 4.5)  # 64 samples a step on both
+    assert stopped_line("2gpu-zero2", stopped, 4) == (
+        "2gpu-zero2 was stopped at its 330 s limit after 3 of 4 steps: its figures are steps 1-2")
+    crashed = {**stopped, "timed_out": False, "error": "Traceback ...\nRuntimeError: NCCL error\n"}
+    assert stopped_line("2gpu-zero2", crashed, 4).startswith("2gpu-zero2 was stopped (RuntimeError: NCCL error)")
+
+
+def test_scale_deadline_caps_each_layout_and_skips_a_wave_without_time(tmp_path, monkeypatch, capsys):
+    """--deadline 500 on 4 GPUs: the first wave's layouts may run 480 s (20 s kept for the record); the
+    first wave takes 400 s, so the 4-GPU wave (80 s left, under 90) is not started, and the record still
+    comes out with all three layouts."""
+    import threading
+
+    from benchmarks import scale
+
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(scale, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock["now"])}))
+    monkeypatch.setattr(scale, "visible_gpus", lambda env: ["0", "1", "2", "3"])
+    monkeypatch.setattr(scale, "prepare_model", lambda w, workdir: str(tmp_path / "model"))
+    monkeypatch.setattr(scale, "step_prompt_tokens", lambda w, common: [20] * w.steps)
+    limits, both_started = {}, threading.Barrier(2, timeout=30)
+
+    def fake_run_layout(w, name, side_dir, env, *, timeout, **kw):
+        limits[name] = timeout
+        both_started.wait()  # the first wave's two layouts run at once
+        clock["now"] = 1400.0  # and end 400 s in
+        return {**_scale_runs()["1gpu"], "side": name, "wall_s": 400.0, "timeout_s": timeout}
+
+    monkeypatch.setattr(scale, "run_layout", fake_run_layout)
+    rc = scale.main(["--layouts", "1gpu,2gpu-fsdp2,4gpu-fsdp2", "--prompts", "256", "--deadline", "500",
+                     "--no-pin", "--workdir", str(tmp_path / "work"), "--results", str(tmp_path / "results")])
+    assert rc == 1 and limits == {"1gpu": 480.0, "2gpu-fsdp2": 480.0}
+    out = capsys.readouterr().out
+    assert "[scale] 4gpu-fsdp2: not started: 80 s of --deadline 500 left" in out
+    [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()]
+    assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"} and set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
+    assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 80 s of --deadline 500 left"
+
+
 def test_scale_cluster_line_and_layout_choice():
     from benchmarks.scale import LAYOUTS, choose_layouts, parse_cluster_line, visible_gpus
 
