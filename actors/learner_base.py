@@ -256,7 +256,8 @@ class LearnerRank:
         stalls = {"perf/gc_s": self._gc.seconds - gc_s, "perf/gc_full": float(self._gc.full - gc_full)}
         if self.device.kind == "cuda":
             now = self.device.allocator_calls()
-            stalls.update({"perf/device_mallocs": float(now[0] - allocs[0]), "perf/alloc_retries": float(now[1] - allocs[1])})
+            stalls.update({"perf/device_mallocs": float(now[0] - allocs[0]),
+                           "perf/alloc_retries": float(now[1] - allocs[1])})
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
         if not self._heap_settled:  # "Frozen heap"

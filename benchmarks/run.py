@@ -269,7 +269,8 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
                 time.sleep(poll_s)
         finally:
             _RUNNING.discard(proc)
-    return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t_launch, "peak_mem_gib": peak_mem,
+    return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t_launch,
+            "peak_mem_gib": peak_mem,
             "peak_gpu_gib": max(gpu_peaks.values(), default=None), "peak_gpu_gib_per_gpu": gpu_peaks,
             "startup_s": None if step0_start is None else step0_start - t_launch,
             "log": str(log), "command": shlex.join(cmd), "cpus": env.get("BENCH_CPUS")}

@@ -127,8 +127,8 @@ class RewardConfig:
     """Reward functions and their weights; the reward of a sample is the weighted sum."""
     timeout_s: float = 10.0
     """Per-sample time limit; a reward that hangs or raises scores 0 and is counted in metrics."""
-    num_workers: int = 2
-    """Processes in the reward pool."""
+    num_workers: int | Literal["auto"] = "auto"
+    """Processes in the reward pool; `auto`: a quarter of the scoring process's cores, 2 to 8."""
     max_failed_steps: int = 3
     """Stop the run (one line) after this many consecutive steps whose every sample's reward failed."""
     warn_failed_frac: float = 0.1

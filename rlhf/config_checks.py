@@ -175,7 +175,8 @@ def _reward(r: RewardConfig) -> None:
     check(r.timeout_s > 0, "reward.timeout_s", "a number > 0", r.timeout_s)
     check(r.max_failed_steps >= 1, "reward.max_failed_steps", "an integer >= 1", r.max_failed_steps)
     check(0 < r.warn_failed_frac <= 1, "reward.warn_failed_frac", "a number in (0, 1]", r.warn_failed_frac)
-    check(r.num_workers >= 1, "reward.num_workers", "an integer >= 1", r.num_workers)
+    check(r.num_workers == "auto" or r.num_workers >= 1, "reward.num_workers", "'auto' or an integer >= 1",
+          r.num_workers)
     check(r.max_tokens_per_batch >= 0, "reward.max_tokens_per_batch",
           "an integer >= 0 (0 = reward.functions[i].batch_size rows per batch)", r.max_tokens_per_batch)
     for i, fn in enumerate(r.functions):

@@ -5,6 +5,7 @@ all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports)
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
 - `engines_per_device`: how many of them share one learner's device (colocated), and
   `engine_generation` the memory share of each.
+- `reward_workers`: how many processes score rewards (`reward.num_workers: auto` resolved).
 - `checkpoint_due`: whether the loop saves a checkpoint after a step (`save_every`).
 - `scores_reference`: whether the loop asks for reference log-probs every step.
 - `holds_reference_model`: whether the learners keep a frozen reference copy of the model for that.
@@ -15,6 +16,7 @@ all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from rlhf.config import GenerationConfig, LearnerConfig, RewardConfig, RunConfig
 from rlhf.errors import ConfigError
@@ -81,6 +83,15 @@ def run_gpus(cfg: RunConfig, engines: int) -> int:
     the engines' own and the reward worker's (`reward_gpus`) in split placement."""
     split = cfg.cluster.placement == "split"
     return cfg.learner.num_ranks + (engines * cfg.cluster.generator_tp if split else 0) + reward_gpus(cfg)
+
+
+def reward_workers(num_workers: int | Literal["auto"], cores: int) -> int:
+    """Processes in the reward pool: `reward.num_workers`, or for `auto` a quarter of `cores` (those
+    the scoring process may run on), 2 to 8. The pool sends one sample per round trip to a runner, so
+    on a GPU node's many cores more runners hide that latency; a 2-core machine keeps 2."""
+    if num_workers != "auto":
+        return num_workers
+    return min(8, max(2, cores // 4))
 
 
 def checkpoint_due(steps_done: int, total_steps: int, save_every: int) -> bool:

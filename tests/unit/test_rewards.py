@@ -335,3 +335,34 @@ def test_every_shipped_reward_function_obeys_the_contract():
         row = {**SAMPLE_ROWS[spec.rpartition(":")[2]], "unrelated_column": 1}  # extra columns are ignored
         value = fn("What is 1 + 5?", "<think>1 + 5 = 6</think><answer>6</answer>", **row)
         assert value is None or (isinstance(value, float) and 0.0 <= value <= 1.0), spec
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "tiny-qwen2"])
+def test_completions_decode_in_the_rust_backend_to_batch_decodes_strings(name):
+    """`rlhf.scoring.decode_completions` takes the fast tokenizer's `decode_batch` (these tokenizers
+    clean up no spaces) and gives exactly `batch_decode`'s strings, special tokens dropped; a
+    tokenizer that cleans up spaces keeps `batch_decode`."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from rlhf.data import assets
+    from rlhf.scoring import decode_completions
+
+    tokenizer = AutoTokenizer.from_pretrained(str(assets.model_dir(name)))
+    rng = random.Random(0)
+    special = tokenizer.all_special_ids
+    def token() -> int:  # 5% special tokens
+        return rng.choice(special) if rng.random() < 0.05 else rng.randrange(len(tokenizer))
+
+    ids = [[token() for _ in range(rng.randrange(0, 64))] for _ in range(200)]
+    expected = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    calls = []
+    slow = tokenizer.batch_decode
+    tokenizer.batch_decode = lambda *a, **k: calls.append(1) or slow(*a, **k)
+    assert decode_completions(tokenizer, ids) == expected and calls == []  # the Rust path
+    assert decode_completions(tokenizer, []) == []
+    marks = [tokenizer.decode([s]) for s in special]
+    assert not any(m.strip() and m in t for m in marks for t in expected)
+    tokenizer.clean_up_tokenization_spaces = True
+    assert decode_completions(tokenizer, ids[:3]) == expected[:3] and calls == [1]  # batch_decode's path
