@@ -361,9 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
     p.add_argument("--side-timeout", type=float, default=3600, help="seconds before a layout's run is stopped")
     p.add_argument("--deadline", type=float, metavar="S",
-                   help="seconds for the whole benchmark: layouts are stopped in time to write the record (a "
-                        f"stopped layout's finished steps still count), and a wave with under {MIN_SIDE_S:.0f} s "
-                        "left is not started")
+                   help="seconds for the whole benchmark, the record included: each wave of layouts gets an "
+                        "equal share of the time left, a layout stopped at its share still counts with the "
+                        f"steps it finished, and a wave with under {MIN_SIDE_S:.0f} s left is not started")
     p.add_argument("--note", action="append", default=[], help="free text stored with the result (e.g. load)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more override of our recipe for every layout (repeatable), e.g. learner.fused_head=false")
@@ -490,27 +490,29 @@ def main(argv: list[str] | None = None) -> int:
         print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
                                                  for wave in schedule), flush=True)
 
+    # --deadline: each wave may take an equal share of the time left (what one leaves unused passes on).
     end = None if args.deadline is None else time.monotonic() + args.deadline
 
-    def time_left() -> float:
-        return args.side_timeout if end is None else min(args.side_timeout, end - time.monotonic() - RECORD_S)
-
-    def run(name: str, devices: list[str], pin: bool) -> dict[str, Any]:
+    def run(name: str, devices: list[str], pin: bool, timeout: float) -> dict[str, Any]:
         layout_env = side_env(env, devices, pin=pin) if gpus else env
         return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
-                          prompt_tokens=prompt_tokens, timeout=time_left(), layout_keys=keys[name],
+                          prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
                           prompts=prompts[name])
 
     sides: dict[str, dict[str, Any]] = {}
-    for wave in schedule:
-        if end is not None and time_left() < MIN_SIDE_S:
-            why = f"not started: {max(time_left(), 0):.0f} s of --deadline {args.deadline:g} left"
-            print(f"[scale] {', '.join(wave)}: {why}", flush=True)
-            sides.update({n: {"side": n, "ok": False, "steps": [], "gpus": g, "wall_s": 0.0, "error": why}
-                          for n, g in wave.items()})
-            continue
+    for k, wave in enumerate(schedule):
+        timeout = args.side_timeout
+        if end is not None:
+            left = end - time.monotonic() - RECORD_S
+            if left < MIN_SIDE_S:
+                why = f"not started: {max(left, 0):.0f} s of --deadline {args.deadline:g} left"
+                print(f"[scale] {', '.join(wave)}: {why}", flush=True)
+                sides.update({n: {"side": n, "ok": False, "steps": [], "gpus": g, "wall_s": 0.0, "error": why}
+                              for n, g in wave.items()})
+                continue
+            timeout = min(timeout, max(left / (len(schedule) - k), MIN_SIDE_S))
         pin = len(wave) > 1 and not args.no_pin
-        sides.update(run_wave(wave, lambda name, devices, pin=pin: run(name, devices, pin)))
+        sides.update(run_wave(wave, lambda name, devices, pin=pin, t=timeout: run(name, devices, pin, t)))
     devices = {n: g for wave in schedule for n, g in wave.items()}
     record = build_scale_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

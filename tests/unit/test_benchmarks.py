@@ -421,10 +421,12 @@ def test_a_stopped_layout_counts_with_the_steps_it_finished():
     assert stopped_line("2gpu-zero2", crashed, 4).startswith("2gpu-zero2 was stopped (RuntimeError: NCCL error)")
 
 
-def test_scale_deadline_caps_each_layout_and_skips_a_wave_without_time(tmp_path, monkeypatch, capsys):
-    """--deadline 500 on 4 GPUs: the first wave's layouts may run 480 s (20 s kept for the record); the
-    first wave takes 400 s, so the 4-GPU wave (80 s left, under 90) is not started, and the record still
-    comes out with all three layouts."""
+@pytest.mark.parametrize("first_wave_s", [400.0, 100.0])
+def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, capsys, first_wave_s):
+    """--deadline 500 on 4 GPUs, two waves: the first wave's layouts may run 240 s, half of the 480 s
+    left (20 s are kept for the record). When it takes 400 s (a fake clock), the 4-GPU wave (80 s
+    left, under 90) is not started and the record still comes out with all three layouts; when it
+    takes 100 s, the 4-GPU wave gets the 380 s that are left."""
     import threading
 
     from benchmarks import scale
@@ -434,25 +436,29 @@ def test_scale_deadline_caps_each_layout_and_skips_a_wave_without_time(tmp_path,
     monkeypatch.setattr(scale, "visible_gpus", lambda env: ["0", "1", "2", "3"])
     monkeypatch.setattr(scale, "prepare_model", lambda w, workdir: str(tmp_path / "model"))
     monkeypatch.setattr(scale, "step_prompt_tokens", lambda w, common: [20] * w.steps)
-    limits, both_started = {}, threading.Barrier(2, timeout=30)
+    limits, first_wave = {}, threading.Barrier(2, timeout=30)
 
     def fake_run_layout(w, name, side_dir, env, *, timeout, **kw):
         limits[name] = timeout
-        both_started.wait()  # the first wave's two layouts run at once
-        clock["now"] = 1400.0  # and end 400 s in
-        return {**_scale_runs()["1gpu"], "side": name, "wall_s": 400.0, "timeout_s": timeout}
+        if name != "4gpu-fsdp2":
+            first_wave.wait()  # the first wave's two layouts run at once
+            clock["now"] = 1000.0 + first_wave_s
+        return {**_scale_runs()["1gpu"], "side": name, "wall_s": 1.0, "timeout_s": timeout}
 
     monkeypatch.setattr(scale, "run_layout", fake_run_layout)
     rc = scale.main(["--layouts", "1gpu,2gpu-fsdp2,4gpu-fsdp2", "--prompts", "256", "--deadline", "500",
                      "--no-pin", "--workdir", str(tmp_path / "work"), "--results", str(tmp_path / "results")])
-    assert rc == 1 and limits == {"1gpu": 480.0, "2gpu-fsdp2": 480.0}
-    out = capsys.readouterr().out
-    assert "[scale] 4gpu-fsdp2: not started: 80 s of --deadline 500 left" in out
     lines = (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()
     [record] = [json.loads(line) for line in lines]
     assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"}
-    assert set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
-    assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 80 s of --deadline 500 left"
+    assert limits["1gpu"] == limits["2gpu-fsdp2"] == 240.0
+    if first_wave_s == 400.0:
+        assert rc == 1 and "4gpu-fsdp2" not in limits
+        assert "[scale] 4gpu-fsdp2: not started: 80 s of --deadline 500 left" in capsys.readouterr().out
+        assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 80 s of --deadline 500 left"
+        assert set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
+    else:
+        assert rc == 0 and limits["4gpu-fsdp2"] == 380.0 and len(record["summary"]) == 3
 
 
 def test_scale_cluster_line_and_layout_choice():
