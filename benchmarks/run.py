@@ -39,6 +39,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -226,17 +227,23 @@ def first_step_start(metrics: Path) -> float | None:
     return metrics.stat().st_mtime - sum(r["timing/step_s"] for r in timed) if timed else None
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 60) -> None:
-    """SIGTERM to the process group this runner made for a side, SIGKILL if it outlives `grace_s`."""
-    for sig, wait_s in ((15, grace_s), (9, 30)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait_s)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+STOP_GRACE_S = 20.0
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop a side: SIGTERM to its leader, which shuts its own Ray and engines down (our scripts
+    take ~3 s), then SIGKILL to the process group this runner made for it, for whatever is left or
+    once `grace_s` has passed. (SIGTERM to the whole group at once left the leader waiting on the
+    Ray processes it had just lost, for a minute.)"""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
 
 
 def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | None, timeout: float,

@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 from benchmarks.run import (  # noqa: E402
     BENCH_ENV,
     PYTHON,
+    STOP_GRACE_S,
     git_info,
     machine_info,
     prepare_model,
@@ -70,7 +71,7 @@ SPEEDUP_TARGETS = {2: 1.8, 4: 3.4}  # samples/s against 1 GPU's, on the same wor
 WEAK_TARGET = 0.9  # weak scaling: samples/s per GPU against 1 GPU's
 SYNC_TARGET_S = 0.3
 MIN_SIDE_S = 90.0  # under --deadline, a wave with less time than this left is not started
-RECORD_S = 20.0  # what --deadline keeps for stopping the last layouts and writing the record
+RECORD_S = STOP_GRACE_S + 10.0  # what --deadline keeps for stopping the last layouts and writing the record
 
 
 @dataclass(frozen=True)

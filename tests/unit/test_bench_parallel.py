@@ -324,3 +324,39 @@ def test_a_tuned_trl_side_out_of_memory_above_the_workloads_batch_is_the_untuned
             {"trl-vllm": untuned, "trl-vllm-tuned": other}, [])
     failed_base = {**untuned, "ok": False}
     assert run.tuned_from_untuned({"trl-vllm": failed_base, "trl-vllm-tuned": oom}, w)[1] == []
+
+
+def test_a_stopped_side_leaves_nothing_and_its_leader_cleans_up_first(tmp_path):
+    """`stop_group`: SIGTERM reaches the side's leader alone (ours shuts its Ray down on it), then
+    SIGKILL takes what is left of its process group (here a child that ignores SIGTERM), well inside
+    the grace."""
+    import signal
+    import time
+
+    from benchmarks.run import STOP_GRACE_S, stop_group
+
+    done = tmp_path / "cleaned"
+    leader = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(300)'],"
+        " stdout=subprocess.PIPE)\n"
+        "child.stdout.readline()\n"
+        "print(child.pid, flush=True)\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(done)!r}, 'w').close(), sys.exit(143)))\n"
+        "time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = int(proc.stdout.readline())
+    start = time.monotonic()
+    stop_group(proc)
+    assert time.monotonic() - start < STOP_GRACE_S / 2
+    assert proc.returncode == 143 and done.exists()  # the leader ran its own clean-up
+    for _ in range(100):  # the SIGKILLed child is reaped by init
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the leader's child outlived the stop")

@@ -423,10 +423,10 @@ def test_a_stopped_layout_counts_with_the_steps_it_finished():
 
 @pytest.mark.parametrize("first_wave_s", [400.0, 100.0])
 def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, capsys, first_wave_s):
-    """--deadline 500 on 4 GPUs, two waves: the first wave's layouts may run 240 s, half of the 480 s
-    left (20 s are kept for the record). When it takes 400 s (a fake clock), the 4-GPU wave (80 s
-    left, under 90) is not started and the record still comes out with all three layouts; when it
-    takes 100 s, the 4-GPU wave gets the 380 s that are left."""
+    """--deadline 500 on 4 GPUs, two waves: the first wave's layouts may run 235 s, half of the 470 s
+    left (30 s are kept to stop the last layouts and write the record). When it takes 400 s (a fake
+    clock), the 4-GPU wave (70 s left, under 90) is not started and the record still comes out with
+    all three layouts; when it takes 100 s, the 4-GPU wave gets the 370 s that are left."""
     import threading
 
     from benchmarks import scale
@@ -451,14 +451,14 @@ def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, cap
     lines = (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()
     [record] = [json.loads(line) for line in lines]
     assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"}
-    assert limits["1gpu"] == limits["2gpu-fsdp2"] == 240.0
+    assert limits["1gpu"] == limits["2gpu-fsdp2"] == 235.0
     if first_wave_s == 400.0:
         assert rc == 1 and "4gpu-fsdp2" not in limits
-        assert "[scale] 4gpu-fsdp2: not started: 80 s of --deadline 500 left" in capsys.readouterr().out
-        assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 80 s of --deadline 500 left"
+        assert "[scale] 4gpu-fsdp2: not started: 70 s of --deadline 500 left" in capsys.readouterr().out
+        assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 70 s of --deadline 500 left"
         assert set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
     else:
-        assert rc == 0 and limits["4gpu-fsdp2"] == 380.0 and len(record["summary"]) == 3
+        assert rc == 0 and limits["4gpu-fsdp2"] == 370.0 and len(record["summary"]) == 3
 
 
 def test_scale_cluster_line_and_layout_choice():
