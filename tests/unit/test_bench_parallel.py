@@ -342,8 +342,8 @@ def test_a_stopped_side_leaves_nothing_and_its_leader_cleans_up_first(tmp_path):
         "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(300)'],"
         " stdout=subprocess.PIPE)\n"
         "child.stdout.readline()\n"
-        "print(child.pid, flush=True)\n"
         f"signal.signal(signal.SIGTERM, lambda *a: (open({str(done)!r}, 'w').close(), sys.exit(143)))\n"
+        "print(child.pid, flush=True)  # only now: the handler is in place\n"
         "time.sleep(300)\n")
     proc = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True)
     child = int(proc.stdout.readline())
@@ -351,10 +351,14 @@ def test_a_stopped_side_leaves_nothing_and_its_leader_cleans_up_first(tmp_path):
     stop_group(proc)
     assert time.monotonic() - start < STOP_GRACE_S / 2
     assert proc.returncode == 143 and done.exists()  # the leader ran its own clean-up
-    for _ in range(100):  # the SIGKILLed child is reaped by init
+    def running(pid: int) -> bool:  # a zombie waiting for whoever adopted it counts as gone
         try:
-            os.kill(child, 0)
-        except ProcessLookupError:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    for _ in range(100):
+        if not running(child):
             break
         time.sleep(0.05)
     else:
