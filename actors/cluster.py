@@ -47,6 +47,7 @@ from rlhf.rules import (
     engine_count,
     engine_generation,
     engines_per_device,
+    engines_sleep,
     holds_reference_model,
     reward_gpus,
 )
@@ -169,20 +170,22 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
     # K engines of one GPU hold vLLM's share together and start one after another: vLLM sizes its
     # KV cache from the memory it finds free, as build_cluster's comment on the learners says.
     gen_cfg = engine_generation(cfg.generation, k)
+    sleeps = engines_sleep(cfg.cluster.placement, device_kind)
     group = ActorGroup(
         load_class(GENERATORS[cfg.generation.backend]), name="engine", pg=pg, bundles=layout.engine_bundles,
         **_share(layout.engine_share),
         after=(lambda e: e - 1 if k > 1 and e % k else None),
         make_kwargs=lambda rank, addr, port: dict(
             model_path=model_path, cfg=gen_cfg, dtype=cfg.model.dtype, seed=cfg.seed,
-            enable_sleep=device_kind != "cpu" and cfg.cluster.placement == "colocated",
+            enable_sleep=sleeps,
             tensor_parallel_size=cfg.cluster.generator_tp, engines_per_host=engines,
             host_gpus=host_gpus,
             **({"lora": cfg.learner} if serves_adapters(cfg) else {}),
         ),
         env=_timeout_env(cfg.cluster),
     )
-    return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0)
+    return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0,
+                       sleeps=sleeps)
 
 
 def pinned_host_gpus(cluster: ClusterConfig) -> list[str]:

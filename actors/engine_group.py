@@ -29,9 +29,11 @@ from rlhf.types import Completion, SamplingSpec
 class EngineGroup:
     """`rlhf.protocols.Generator` over the engine actors of an ActorGroup (named "engine")."""
 
-    def __init__(self, group: ActorGroup, gpus_per_engine: int = 0) -> None:
-        """`gpus_per_engine`: the engines' tensor-parallel width on GPUs, 0 on CPU (no per-GPU rate)."""
-        self.group = group
+    def __init__(self, group: ActorGroup, gpus_per_engine: int = 0, sleeps: bool = False) -> None:
+        """`gpus_per_engine`: the engines' tensor-parallel width on GPUs, 0 on CPU (no per-GPU rate);
+        `sleeps`: the engines have a sleep mode (`rlhf.rules.engines_sleep`), else `sleep` and `wake`
+        never reach them."""
+        self.group, self.sleeps = group, sleeps
         self.engines = group.actors
         self.gpus = gpus_per_engine * len(self.engines)
         self._metrics: dict[str, float] = {}
@@ -57,10 +59,12 @@ class EngineGroup:
         return dict(self._metrics)
 
     def sleep(self) -> None:
-        self.group.call("sleep")
+        if self.sleeps:
+            self.group.call("sleep")
 
     def wake(self) -> None:
-        self.group.call("wake")
+        if self.sleeps:
+            self.group.call("wake")
 
     def shutdown(self) -> None:
         self.group.shutdown(process_exits=True)  # each engine is killed next (VLLMGenerator.shutdown)

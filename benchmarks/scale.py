@@ -108,6 +108,7 @@ LAYOUTS: dict[str, Layout] = {
     "2gpu-fsdp2": _colocated(2),
     "2gpu-zero2": _colocated(2, "deepspeed", 2),
     "2gpu-split": _split(2, 1),
+    "2gpu-split-async": _split(2, 1, staleness=1),
     "4gpu-fsdp2": _colocated(4),
     "4gpu-zero2": _colocated(4, "deepspeed", 2),
     "4gpu-zero3": _colocated(4, "deepspeed", 3),

@@ -61,6 +61,14 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
     return engines
 
 
+def engines_sleep(placement: str, device_kind: str) -> bool:
+    """Whether the engines sleep while the learners train: colocated on a GPU, where vLLM's sleep
+    mode hands their memory to the learners. Split or CPU engines never sleep, and are not even asked
+    to: an engine runs one call at a time, so a no-op `sleep` would wait behind a generation running
+    ahead (asynchronous GRPO) and hold the learners until it ends."""
+    return placement == "colocated" and device_kind != "cpu"
+
+
 def engines_per_device(cfg: RunConfig, engines: int) -> int:
     """Colocated engines that share one learner's device: `cluster.generator_engines` over
     `learner.num_ranks` when it is a multiple of it (several engines per GPU, so that several host

@@ -20,13 +20,26 @@ class FakeEngine:
     """Answers each prompt with n completions that spell out (global prompt index, k) in their tokens
     and the engine in their log-probs."""
 
-    def __init__(self, rank: int, delay: float = 0.0) -> None:
-        self.rank, self.delay = rank, delay
+    def __init__(self, rank: int, delay: float = 0.0, gate: str = "") -> None:
+        self.rank, self.delay, self.gate, self.called = rank, delay, gate, []
 
     def generate(self, prompt_ids, sampling, first_index=0):
+        self.called.append("generate")
         time.sleep(self.delay)
+        give_up = time.monotonic() + 120  # with `gate`, wait until that file exists (a test opens it)
+        while self.gate and not os.path.exists(self.gate) and time.monotonic() < give_up:
+            time.sleep(0.01)
         return [Completion(token_ids=[first_index + i, k], logprobs=[float(self.rank)] * 2,
                            finish_reason="stop") for i, _ in enumerate(prompt_ids) for k in range(sampling.n)]
+
+    def sleep(self):
+        self.called.append("sleep")
+
+    def wake(self):
+        self.called.append("wake")
+
+    def calls(self):
+        return self.called
 
     def stall(self):
         time.sleep(3600)
@@ -78,7 +91,7 @@ def ray_local():
     ray.shutdown()
 
 
-def _group(ray, engines: int, delays=None):
+def _group(ray, engines: int, delays=None, gate: str = ""):
     from ray.util.placement_group import placement_group
 
     from actors.actor_group import ActorGroup
@@ -87,7 +100,7 @@ def _group(ray, engines: int, delays=None):
     ray.get(pg.ready())
     delays = delays or [0.0] * engines
     return ActorGroup(FakeEngine, name="engine", pg=pg, bundles=list(range(engines)), num_cpus=0.1, num_gpus=0,
-                      make_kwargs=lambda rank, addr, port: dict(rank=rank, delay=delays[rank]))
+                      make_kwargs=lambda rank, addr, port: dict(rank=rank, delay=delays[rank], gate=gate))
 
 
 @pytest.mark.ray
@@ -109,6 +122,29 @@ def test_engine_group_restores_prompt_order_and_reports_each_engine(ray_local):
     assert "gen/engine2_s" not in gen.last_metrics()
     assert "throughput/gen_tokens_per_s_per_gpu" not in gen.last_metrics()  # CPU engines: no GPUs
     gen.shutdown()
+
+
+@pytest.mark.ray
+def test_engines_without_sleep_mode_are_never_called_to_sleep(ray_local, tmp_path):
+    """Split engines have no sleep mode: `sleep` and `wake` return while a generation runs ahead
+    (asynchronous GRPO), which a call to an engine would have waited behind, holding the learners
+    until it ended; engines that do sleep (colocated on a GPU) get both calls."""
+    from actors.engine_group import EngineGroup
+
+    gate = tmp_path / "open"
+    split = EngineGroup(_group(ray_local, 2, gate=str(gate)))
+    pending = split.submit([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))
+    split.sleep()
+    split.wake()
+    gate.touch()  # only now can the generation finish
+    assert len(pending.result()) == 2
+    assert ray_local.get([e.calls.remote() for e in split.engines]) == [["generate"]] * 2
+    colocated = EngineGroup(_group(ray_local, 2), sleeps=True)
+    colocated.sleep()
+    colocated.wake()
+    assert ray_local.get([e.calls.remote() for e in colocated.engines]) == [["sleep", "wake"]] * 2
+    split.shutdown()
+    colocated.shutdown()
 
 
 @pytest.mark.ray

@@ -114,6 +114,15 @@ def test_engines_sharing_a_gpu_split_its_memory_share():
     assert engines_per_device(split, 4) == 1
 
 
+def test_only_colocated_engines_on_a_gpu_sleep():
+    """vLLM's sleep mode hands colocated engines' GPU memory to the learners; split engines keep
+    theirs (and generate on while the learners train), and CPU engines have no sleep mode."""
+    from rlhf.rules import engines_sleep
+
+    assert engines_sleep("colocated", "cuda")  # ROCm too: its Device.kind is "cuda"
+    assert not engines_sleep("split", "cuda") and not engines_sleep("colocated", "cpu")
+
+
 @pytest.mark.parametrize("overrides,gpus,message", [
     (["cluster.placement=split", "learner.num_ranks=8"], 8, "leave 0"),
     (["cluster.placement=split", "learner.num_ranks=5", "cluster.generator_tp=2"], 8, "not a positive multiple"),
