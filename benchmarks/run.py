@@ -476,6 +476,11 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
     return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"]}
 
 
+def failed_side(name: str, gpus: list[str], error: str) -> dict[str, Any]:
+    """The record of a side that never ran (its runner raised, or no time was left to start it)."""
+    return {"side": name, "ok": False, "steps": [], "gpus": gpus, "wall_s": 0.0, "error": error}
+
+
 def run_wave(wave: dict[str, list[str]], run: Any) -> dict[str, dict[str, Any]]:
     """`run(side, gpus)` for every side of a wave at once, one thread each. A side that raises gets
     a failed record; an interrupted runner stops every side still running."""
@@ -485,8 +490,7 @@ def run_wave(wave: dict[str, list[str]], run: Any) -> dict[str, dict[str, Any]]:
         try:
             results[side] = run(side, wave[side])
         except Exception:
-            results[side] = {"side": side, "ok": False, "steps": [], "gpus": wave[side], "wall_s": 0.0,
-                             "error": traceback.format_exc()[-3000:]}
+            results[side] = failed_side(side, wave[side], traceback.format_exc()[-3000:])
             print(f"[bench] {side}: FAILED in the runner:\n{results[side]['error']}", flush=True)
 
     threads = [threading.Thread(target=one, args=(side,), name=f"bench-{side}") for side in wave]

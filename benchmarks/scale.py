@@ -52,6 +52,7 @@ from benchmarks.run import (  # noqa: E402
     BENCH_ENV,
     PYTHON,
     STOP_GRACE_S,
+    failed_side,
     git_info,
     machine_info,
     prepare_model,
@@ -62,7 +63,7 @@ from benchmarks.run import (  # noqa: E402
     versions,
     visible_gpus,
 )
-from benchmarks.summary import format_value, ours_grpo_steps, steady, summarize, waves  # noqa: E402
+from benchmarks.summary import ENGINE_GEN_S, format_value, ours_grpo_steps, steady, summarize, waves  # noqa: E402
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
 
 WORKLOAD = "grpo-gpu-scale"
@@ -145,7 +146,6 @@ SCALE_ROWS: tuple[tuple[str, str], ...] = (
 )
 
 _CLUSTER_LINE = re.compile(r"cluster: (\w+), (\d+) engine\(s\) x TP (\d+), (\d+) (\w+) learner rank\(s\)")
-_ENGINE_GEN_S = re.compile(r"gen/engine\d+_s")
 _ENGINE_SYNC_S = re.compile(r"sync/engine\d+_s")
 
 
@@ -173,7 +173,7 @@ def layout_steps(metrics: Sequence[dict[str, Any]], prompt_tokens: Sequence[int]
     steps = ours_grpo_steps(timed, prompt_tokens, completions_per_step)
     for step, m in zip(steps, timed):
         syncs = [v for k, v in m.items() if _ENGINE_SYNC_S.fullmatch(k)]
-        step.update(engines=sum(1 for k in m if _ENGINE_GEN_S.fullmatch(k)),
+        step.update(engines=sum(1 for k in m if ENGINE_GEN_S.fullmatch(k)),
                     engine_time_ratio=m.get("gen/engine_time_ratio"),
                     sync_engine_max_s=max(syncs) if syncs else None)
     return steps
@@ -509,8 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             if left < MIN_SIDE_S:
                 why = f"not started: {max(left, 0):.0f} s of --deadline {args.deadline:g} left"
                 print(f"[scale] {', '.join(wave)}: {why}", flush=True)
-                sides.update({n: {"side": n, "ok": False, "steps": [], "gpus": g, "wall_s": 0.0, "error": why}
-                              for n, g in wave.items()})
+                sides.update({n: failed_side(n, g, why) for n, g in wave.items()})
                 continue
             timeout = min(timeout, max(left / (len(schedule) - k), MIN_SIDE_S))
         pin = len(wave) > 1 and not args.no_pin

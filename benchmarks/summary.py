@@ -14,6 +14,7 @@ vLLM, allocator warm-up, lazy initialisation); start-up before step 0 is reporte
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -66,6 +67,9 @@ PER_STEP = {"grpo": (("reward", "reward/mean per step"),),
 # Our metrics.jsonl -> per-step records
 
 
+ENGINE_GEN_S = re.compile(r"gen/engine\d+_s")  # one engine's own seconds for a step's generation
+
+
 def ours_grpo_steps(metrics: Sequence[dict[str, Any]], prompt_tokens: Sequence[int], completions_per_step: int
                     ) -> list[dict[str, Any]]:
     """Our GRPO metrics.jsonl records -> per-step records. `prompt_tokens[k]` is the prompt token
@@ -84,6 +88,8 @@ def ours_grpo_steps(metrics: Sequence[dict[str, Any]], prompt_tokens: Sequence[i
             "train_tokens": float(prompt_tokens[step]) + gen_tokens, "reward_mean": m["reward/mean"],
             "response_len_mean": m["response_len/mean"], "learner_peak_gib": m.get("memory/learner_peak_gib"),
             "mfu": m.get("perf/mfu"),
+            "staleness": m.get("async/staleness", 0.0),
+            "engine_s": max((v for k, v in m.items() if ENGINE_GEN_S.fullmatch(k)), default=None),
         })
     return out
 
@@ -133,8 +139,18 @@ def merge_peaks(peaks: dict[str, float], sample: dict[str, float], watched: Iter
 
 
 def steady(steps: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The steps that count for timing: all but step 0 (all of them if there is only one)."""
-    return list(steps[1:]) if len(steps) > 1 else list(steps)
+    """The steps that count for timing: all but step 0 (all of them if there is only one); where
+    generation ran ahead of the loop (a step with `staleness` > 0, asynchronous GRPO), the last step
+    too, when two are left: no next generation overlaps its training, so it is shorter than the rest."""
+    timed = list(steps[1:]) if len(steps) > 1 else list(steps)
+    ahead = any(s.get("staleness") for s in steps)
+    return timed[:-1] if ahead and len(timed) > 1 else timed
+
+
+def generation_seconds(step: dict[str, Any]) -> float:
+    """A step's generation time for its tokens/s: the loop's wait, or where generation ran ahead of
+    the loop (`staleness` > 0, the wait is near 0) the slowest engine's own seconds."""
+    return step["engine_s"] if step.get("staleness") and step.get("engine_s") else step["generate_s"]
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -184,7 +200,7 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
     if algorithm == "grpo":
         out.update(
             generate_s=_median([s["generate_s"] for s in timed]),
-            gen_tokens_per_s=_median([_rate(s["gen_tokens"], s["generate_s"]) for s in timed]),
+            gen_tokens_per_s=_median([_rate(s["gen_tokens"], generation_seconds(s)) for s in timed]),
             sync_s=_median([s.get("sync_s") for s in timed]),
             reward_s=_median([s.get("reward_s") for s in timed]),
             response_len_mean=_mean([s.get("response_len_mean") for s in steps]),

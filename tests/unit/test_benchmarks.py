@@ -5,6 +5,7 @@ arithmetic, the table and the JSON record. No timings: those are the benchmark's
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -192,6 +193,24 @@ def test_our_metrics_become_step_records_and_summary():
     assert summary["mfu"] == 0.46 and summary["mfu_min"] == 0.44
     table = format_table({"ours": summary, "trl": {"step_s": 22.0}}, "grpo")
     assert "| learner MFU, lowest of steps 1..N-1 (higher is better) | 0.44 | - | - |" in table.splitlines()
+
+
+def test_generation_running_ahead_is_timed_by_its_engines_and_without_the_last_step():
+    """Asynchronous GRPO: the loop hardly waits for a generation that ran ahead, so its tokens/s are
+    timed by the slowest engine's own seconds; and the last step, which no next generation overlaps,
+    is left out of the medians like step 0."""
+    metrics = [{**m, "async/staleness": float(k > 0), "gen/engine0_s": 8.0 + k, "gen/engine1_s": 6.0}
+               for k, m in enumerate(_our_grpo_metrics())]
+    metrics[-1]["timing/step_s"] = 6.0  # the last step: training only
+    for m in metrics[1:]:
+        m["timing/generate_s"] = 0.001
+    steps = ours_grpo_steps(metrics, [400, 400, 420, 380], 16)
+    assert [s["engine_s"] for s in steps] == [8.0, 9.0, 10.0, 11.0]
+    summary = summarize({"steps": steps}, "grpo")
+    assert summary["step_s"] == 11.0  # median of steps 1 and 2 (10 s, 12 s)
+    assert summary["gen_tokens_per_s"] == pytest.approx(statistics.median([160 / 9, 160 / 10]))
+    on_policy = summarize({"steps": ours_grpo_steps(_our_grpo_metrics(), [400, 400, 420, 380], 16)}, "grpo")
+    assert on_policy["step_s"] == 11.0 and on_policy["steps"] == 4  # steps 1..3: 10, 12, 11
 
 
 def test_ratios_and_table():
