@@ -213,6 +213,13 @@ def summarize_layout(run: dict[str, Any], *, gpus: int, samples_per_step: int) -
     return out
 
 
+def fastest_first(schedule: list[dict[str, list[str]]]) -> list[dict[str, list[str]]]:
+    """The waves ordered for a `--deadline`: the wave whose smallest layout has the most GPUs (the
+    shortest steps) first, the one-GPU baseline's last. Each wave's share is taken from the time
+    left, so what the fast waves leave unused goes to the slow one, whose steps need it."""
+    return sorted(schedule, key=lambda wave: -min(len(g) for g in wave.values()))
+
+
 def usable(run: dict[str, Any]) -> bool:
     """Whether a layout's run counts: it finished, or it was stopped (its time limit, `--deadline`)
     after at least one step past step 0, whose figures then stand for it (`stopped_line` says so)."""
@@ -488,11 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     common = our_overrides(w, output_dir=str(workdir / w.name), model_path=model_path)
     prompt_tokens = step_prompt_tokens(w, common)
     schedule = waves({n: LAYOUTS[n].gpus for n in names}, gpus, parallel=not args.in_turn)
+    if args.deadline is not None and gpus:
+        schedule = fastest_first(schedule)
     if any(len(wave) > 1 for wave in schedule):
         print("[scale] waves: " + " | then ".join(", ".join(f"{n} on GPU {','.join(g)}" for n, g in wave.items())
                                                  for wave in schedule), flush=True)
 
-    # --deadline: each wave may take an equal share of the time left (what one leaves unused passes on).
+    # --deadline: each wave may take an equal share of the time left (what one leaves unused passes on
+    # to the waves after it, the slowest last: `fastest_first`).
     end = None if args.deadline is None else time.monotonic() + args.deadline
 
     def run(name: str, devices: list[str], pin: bool, timeout: float) -> dict[str, Any]:

@@ -213,6 +213,18 @@ def test_generation_running_ahead_is_timed_by_its_engines_and_without_the_last_s
     assert on_policy["step_s"] == 11.0 and on_policy["steps"] == 4  # steps 1..3: 10, 12, 11
 
 
+def test_under_a_deadline_the_one_gpu_baseline_runs_last():
+    """Its steps are the slowest: what the faster waves leave of the deadline goes to it."""
+    from benchmarks.scale import fastest_first
+    from benchmarks.summary import waves
+
+    schedule = waves({"1gpu": 1, "2gpu-fsdp2": 2, "4gpu-fsdp2": 4}, ["0", "1", "2", "3"], parallel=True)
+    assert schedule == [{"1gpu": ["0"], "2gpu-fsdp2": ["1", "2"]}, {"4gpu-fsdp2": ["0", "1", "2", "3"]}]
+    assert fastest_first(schedule) == [schedule[1], schedule[0]]
+    in_turn = waves({"1gpu": 1, "4gpu-split-zero2": 4, "2gpu-split": 2}, ["0", "1", "2", "3"], parallel=False)
+    assert [list(w) for w in fastest_first(in_turn)] == [["4gpu-split-zero2"], ["2gpu-split"], ["1gpu"]]
+
+
 def test_ratios_and_table():
     ours = {"step_s": 10.0, "gen_tokens_per_s": 300.0, "peak_mem_gib": 4.0, "reward_per_step": [0.2, 0.5]}
     trl = {"step_s": 40.0, "gen_tokens_per_s": 100.0, "peak_mem_gib": 0.0, "reward_per_step": [0.1, 0.3]}
@@ -442,10 +454,11 @@ def test_a_stopped_layout_counts_with_the_steps_it_finished():
 
 @pytest.mark.parametrize("first_wave_s", [400.0, 100.0])
 def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, capsys, first_wave_s):
-    """--deadline 500 on 4 GPUs, two waves: the first wave's layouts may run 235 s, half of the 470 s
-    left (30 s are kept to stop the last layouts and write the record). When it takes 400 s (a fake
-    clock), the 4-GPU wave (70 s left, under 90) is not started and the record still comes out with
-    all three layouts; when it takes 100 s, the 4-GPU wave gets the 370 s that are left."""
+    """--deadline 500 on 4 GPUs, two waves, the 4-GPU one first (`fastest_first`): it may run 235 s,
+    half of the 470 s left (30 s are kept to stop the last layouts and write the record). When it
+    takes 400 s (a fake clock), the one-GPU baseline's wave (70 s left, under 90) is not started and
+    the record still comes out with all three layouts; when it takes 100 s, that wave gets the 370 s
+    that are left."""
     import threading
 
     from benchmarks import scale
@@ -455,13 +468,14 @@ def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, cap
     monkeypatch.setattr(scale, "visible_gpus", lambda env: ["0", "1", "2", "3"])
     monkeypatch.setattr(scale, "prepare_model", lambda w, workdir: str(tmp_path / "model"))
     monkeypatch.setattr(scale, "step_prompt_tokens", lambda w, common: [20] * w.steps)
-    limits, first_wave = {}, threading.Barrier(2, timeout=30)
+    limits, second_wave = {}, threading.Barrier(2, timeout=30)
 
     def fake_run_layout(w, name, side_dir, env, *, timeout, **kw):
         limits[name] = timeout
-        if name != "4gpu-fsdp2":
-            first_wave.wait()  # the first wave's two layouts run at once
+        if name == "4gpu-fsdp2":
             clock["now"] = 1000.0 + first_wave_s
+        else:
+            second_wave.wait()  # the second wave's two layouts run at once
         return {**_scale_runs()["1gpu"], "side": name, "wall_s": 1.0, "timeout_s": timeout}
 
     monkeypatch.setattr(scale, "run_layout", fake_run_layout)
@@ -470,14 +484,15 @@ def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, cap
     lines = (tmp_path / "results" / "grpo-gpu-scale.jsonl").read_text().splitlines()
     [record] = [json.loads(line) for line in lines]
     assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"}
-    assert limits["1gpu"] == limits["2gpu-fsdp2"] == 235.0
+    assert limits["4gpu-fsdp2"] == 235.0
+    assert list(record["schedule"][0]) == ["4gpu-fsdp2"]
     if first_wave_s == 400.0:
-        assert rc == 1 and "4gpu-fsdp2" not in limits
-        assert "[scale] 4gpu-fsdp2: not started: 70 s of --deadline 500 left" in capsys.readouterr().out
-        assert record["sides"]["4gpu-fsdp2"]["error"] == "not started: 70 s of --deadline 500 left"
-        assert set(record["summary"]) == {"1gpu", "2gpu-fsdp2"}
+        assert rc == 1 and "1gpu" not in limits and "2gpu-fsdp2" not in limits
+        assert "[scale] 1gpu, 2gpu-fsdp2: not started: 70 s of --deadline 500 left" in capsys.readouterr().out
+        assert record["sides"]["1gpu"]["error"] == "not started: 70 s of --deadline 500 left"
+        assert set(record["summary"]) == {"4gpu-fsdp2"}
     else:
-        assert rc == 0 and limits["4gpu-fsdp2"] == 370.0 and len(record["summary"]) == 3
+        assert rc == 0 and limits["1gpu"] == limits["2gpu-fsdp2"] == 370.0 and len(record["summary"]) == 3
 
 
 def test_scale_cluster_line_and_layout_choice():
