@@ -97,7 +97,8 @@ def gather_timed(refs: Sequence[ray.ObjectRef], labels: Sequence[str], phase: st
 
 
 def _failure(ref: ray.ObjectRef, label: str, phase: str) -> ActorFailure | None:
-    """The ActorFailure of a finished call, or None if it succeeded."""
+    """The ActorFailure of a finished call, or None if it succeeded. A call that failed because an
+    actor it waited on died (a learner rank's weight-sync fan-out to the engines) names the dead one."""
     try:
         ray.get(ref)
     except ray.exceptions.ActorDiedError as e:
@@ -107,6 +108,8 @@ def _failure(ref: ray.ObjectRef, label: str, phase: str) -> ActorFailure | None:
                             f"{_death_cause(e)}", lost=True)
     except ray.exceptions.RayTaskError as e:
         cause = e.cause if e.cause is not None else e
+        if isinstance(cause, ActorFailure) and cause.lost:  # it relays the death of an actor it waited on
+            return ActorFailure(f"{cause} (reported by {label} during {phase})", lost=True)
         return ActorFailure(f"{label} failed during {phase}: {type(cause).__name__}: {_one_line(str(cause))}",
                             lost=False)
     return None

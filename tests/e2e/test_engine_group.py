@@ -50,6 +50,11 @@ class FakeEngine:
     def fail(self):
         raise ValueError("bad bucket")
 
+    def relay(self):  # as a learner rank whose push found an engine dead
+        from actors.actor_group import ActorFailure
+
+        raise ActorFailure("engine 3 died during weight sync: its worker process has died", lost=True)
+
     def shutdown(self, *, process_exits: bool = False):
         pass
 
@@ -158,6 +163,21 @@ def test_tokens_per_gpu_counts_every_engine_gpu(ray_local):
     slowest = max(m["gen/engine0_s"], m["gen/engine1_s"])
     assert m["throughput/gen_tokens_per_s_per_gpu"] == pytest.approx(40 / slowest / 4)
     gen.shutdown()
+
+
+@pytest.mark.ray
+def test_an_actor_relaying_a_death_names_the_dead_actor_first(ray_local):
+    """A learner rank whose weight push found engine 3 dead raises that ActorFailure: the line names
+    engine 3 (the actor to look at, and what a resumed run must restart) and then who noticed."""
+    from actors.actor_group import ActorFailure, gather
+
+    group = _group(ray_local, 1)
+    with pytest.raises(ActorFailure) as err:
+        gather([group.actors[0].relay.remote()], group.labels(), "push_weights")
+    assert str(err.value) == ("engine 3 died during weight sync: its worker process has died "
+                              "(reported by engine 0 during push_weights)")
+    assert err.value.lost
+    group.shutdown()
 
 
 @pytest.mark.ray
