@@ -521,7 +521,8 @@ def test_scale_layouts_resolve(tmp_path, on_gpu):
     assert w.extra == WORKLOADS["grpo-gpu"].extra
     want = {"1gpu": ("colocated", 1, "fsdp2", 0), "2gpu-fsdp2": ("colocated", 2, "fsdp2", 0),
             "2gpu-zero2": ("colocated", 2, "deepspeed", 0), "2gpu-split": ("split", 1, "fsdp2", 0),
-            "2gpu-split-async": ("split", 1, "fsdp2", 1), "4gpu-fsdp2": ("colocated", 4, "fsdp2", 0), "4gpu-zero2": ("colocated", 4, "deepspeed", 0),
+            "2gpu-split-async": ("split", 1, "fsdp2", 1), "4gpu-fsdp2": ("colocated", 4, "fsdp2", 0),
+            "4gpu-zero2": ("colocated", 4, "deepspeed", 0),
             "4gpu-zero3": ("colocated", 4, "deepspeed", 0), "4gpu-split-zero2": ("split", 3, "deepspeed", 0),
             "4gpu-split-zero2-async": ("split", 3, "deepspeed", 1), "4gpu-split-fsdp2": ("split", 2, "fsdp2", 0),
             "4gpu-split-fsdp2-async": ("split", 2, "fsdp2", 1), "8gpu-fsdp2": ("colocated", 8, "fsdp2", 0),
