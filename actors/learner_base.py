@@ -26,8 +26,8 @@ Shared decisions, each a section of docs/design/learners.md:
 - Frozen heap (`actors.worker_setup.freeze_heap`): what the constructor built, then what survives
   the first train step (compiled kernels, autotuning), is frozen out of the cyclic collector: an
   automatic full collection would otherwise walk those ~10^6 objects inside an early train step.
-- Host stalls: a train step reports the worst rank's collector time and, on a GPU, its allocator's
-  driver calls (`perf/gc_s`, `perf/device_mallocs`, ...: docs/monitoring.md), which a slow step shows.
+- Host stalls: a step reports the worst rank's collector time and, on a GPU, allocator driver calls
+  and Triton compiles (`perf/gc_s`, `perf/jit_compiles`, ...: docs/monitoring.md): a slow step shows.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from actors.host_cores import pin_process
 from actors.hf_model import attention_kernel, export_hf, unwrapped
 from actors.learner_forward import Layout, forward_logprobs
 from actors.learner_kernels import VARLEN
-from actors.worker_setup import GcClock, freeze_heap, gc_paused, wait_for
+from actors.worker_setup import GcClock, JitClock, freeze_heap, gc_paused, wait_for
 from rlhf.algo.objectives import is_max_metric, merge_metrics, metric_floats, reduce_metrics
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.data.batching import micro_batches
@@ -174,6 +174,7 @@ class LearnerRank:
         self.sharding: Sharding = sharding_cls(context, model_path, with_reference)
         self._heap_settled = False  # "Frozen heap": again after the first train step
         self._gc = GcClock()  # "Host stalls"
+        self._jit = JitClock() if self.device.kind == "cuda" else None
         freeze_heap()
 
     @property
@@ -230,7 +231,7 @@ class LearnerRank:
         mbs, count = self._aligned_micro_batches(batch)
         self.device.reset_peak()
         self.device.synchronize()
-        gc_s, gc_full, allocs = self._gc.seconds, self._gc.full, self.device.allocator_calls()
+        counters = self._stall_counters()
         start = time.perf_counter()
         units = torch.tensor([float(sum(objective.num_units(mb) for _, mb in mbs))], dtype=torch.float64,
                              device=self._dev)
@@ -253,11 +254,7 @@ class LearnerRank:
         broken = not skipped and not self._weights_finite()
         self.device.synchronize()
         seconds = time.perf_counter() - start
-        stalls = {"perf/gc_s": self._gc.seconds - gc_s, "perf/gc_full": float(self._gc.full - gc_full)}
-        if self.device.kind == "cuda":
-            now = self.device.allocator_calls()
-            stalls.update({"perf/device_mallocs": float(now[0] - allocs[0]),
-                           "perf/alloc_retries": float(now[1] - allocs[1])})
+        stalls = {k: v - counters[k] for k, v in self._stall_counters().items()}
         flops = train_flops(self.model_config, batch.attention_mask.sum(dim=1).tolist())
         self.device.empty_cache()  # colocated: hand activation memory back before the engine's KV cache wakes
         if not self._heap_settled:  # "Frozen heap"
@@ -306,6 +303,17 @@ class LearnerRank:
             bad += (~torch.stack(torch._foreach_norm(local, math.inf)).isfinite()).any().to(self._dev)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
+
+    def _stall_counters(self) -> dict[str, float]:
+        """The running counters of "Host stalls", which a train step reports the growth of: the
+        collector's seconds and full collections and, on a GPU, the caching allocator's driver
+        allocations and retries and the Triton kernels compiled (and their seconds)."""
+        out = {"perf/gc_s": self._gc.seconds, "perf/gc_full": float(self._gc.full)}
+        if self._jit is not None:
+            mallocs, retries = self.device.allocator_calls()
+            out.update({"perf/device_mallocs": float(mallocs), "perf/alloc_retries": float(retries),
+                        "perf/jit_compiles": float(self._jit.compiles), "perf/jit_s": self._jit.seconds})
+        return out
 
     def _perf(self, flops: float, seconds: float, stalls: dict[str, float]) -> dict[str, float]:
         """Model FLOP/s of the step per device (`perf/tflops_per_device`) and, where the device's
@@ -444,6 +452,8 @@ class LearnerRank:
             dist.destroy_process_group()
         gc.unfreeze()
         self._gc.close()
+        if self._jit is not None:
+            self._jit.close()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

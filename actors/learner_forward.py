@@ -27,6 +27,12 @@ from rlhf.algo.logprobs import (
 from rlhf.config import LearnerConfig
 from rlhf.types import Batch
 
+PACK_MULTIPLE = 16
+"""Packed rows are topped up to a multiple of this many tokens. Triton specializes a kernel on
+whether each integer argument is a multiple of 16, and Liger's RoPE and RMSNorm kernels take the
+row's length: a row whose length is a multiple of 16 for the first time (or no longer one) would
+compile them again inside a train step."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -80,10 +86,12 @@ def _packed(model: torch.nn.Module, mb: Batch, layout: Layout) -> torch.Tensor:
     lengths = mb.attention_mask.sum(-1).tolist()
     sequences = [row[:n].tolist() for row, n in zip(mb.input_ids, lengths)]
     total = sum(lengths)
-    if layout.fixed_pack and total < cfg.max_tokens_per_micro_batch:
-        # Attention kernel: one shape for every packed row, so the compiled kernel is built once: a
-        # filler document (its own block of the mask, its outputs dropped) tops the row up.
-        sequences.append([0] * (cfg.max_tokens_per_micro_batch - total))
+    # A filler document (its own block of the mask or its own varlen document, its outputs dropped)
+    # tops the row up: to the token budget for FlexAttention (one shape, so its kernel compiles
+    # once), else to a multiple of PACK_MULTIPLE.
+    target = cfg.max_tokens_per_micro_batch if layout.fixed_pack else -(-total // PACK_MULTIPLE) * PACK_MULTIPLE
+    if total < target:
+        sequences.append([0] * (target - total))
     packed, positions, cu = pack_sequences(sequences, device=dev)
     kwargs = dict(input_ids=packed, position_ids=positions, use_cache=False)
     if layout.varlen:

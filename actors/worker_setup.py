@@ -137,6 +137,39 @@ class GcClock:
             gc.callbacks.remove(self._tick)
 
 
+class JitClock:
+    """Triton kernels this process compiled since it was made (`@triton.jit` cache misses: a new
+    kernel, or a known one at an argument specialization not met before, e.g. a length that is now
+    a multiple of 16) and their seconds: a learner reports the difference over each train step.
+    Chained onto Triton's `jit_cache_hook` (before a compile) and `jit_post_compile_hook` (after),
+    passing on whatever hooks were there; `close` puts them back."""
+
+    def __init__(self) -> None:
+        from triton import knobs
+
+        self.compiles, self.seconds, self._start = 0, 0.0, None
+        self._runtime = knobs.runtime
+        self._before, self._after = self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook
+        self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._starting, self._compiled
+
+    def _starting(self, **kwargs: Any) -> Any:
+        self._start = time.perf_counter()
+        return self._before(**kwargs) if self._before else None  # a true answer skips the compile
+
+    def _compiled(self, **kwargs: Any) -> Any:
+        self.compiles += 1
+        if self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self._start = None
+        return self._after(**kwargs) if self._after else None
+
+    def close(self) -> None:
+        if self._runtime.jit_cache_hook == self._starting:
+            self._runtime.jit_cache_hook = self._before
+        if self._runtime.jit_post_compile_hook == self._compiled:
+            self._runtime.jit_post_compile_hook = self._after
+
+
 _RENDEZVOUS = "torch.distributed.rendezvous"
 
 

@@ -345,7 +345,8 @@ def test_the_learner_freezes_its_heap_after_start_up_and_its_first_step(tiny_qwe
 
 def test_a_train_step_reports_the_collector_pausing_it(tiny_qwen2):
     """"Host stalls": a full collection inside a train step (forced here by a forward hook) shows in
-    that step's `perf/gc_s` and `perf/gc_full`; a CPU learner has no caching allocator to report."""
+    that step's `perf/gc_s` and `perf/gc_full`; a CPU learner has no caching allocator or Triton
+    compiles to report."""
     import gc
 
     from transformers import AutoConfig
@@ -363,4 +364,4 @@ def test_a_train_step_reports_the_collector_pausing_it(tiny_qwen2):
     finally:
         _close(learner)
     assert paused["perf/gc_full"] >= 1 and paused["perf/gc_s"] > 0
-    assert "perf/device_mallocs" not in paused and "perf/alloc_retries" not in paused
+    assert not {"perf/device_mallocs", "perf/alloc_retries", "perf/jit_compiles", "perf/jit_s"} & set(paused)

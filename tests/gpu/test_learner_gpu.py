@@ -1,7 +1,7 @@
 """Learner paths only a GPU runs: packed rows under FlexAttention's per-document mask (its Triton
 backward has no CPU kernel) and the fast kernels (Liger, inductor, FlashAttention varlen) train like
-padded rows; one DPO run on GPU saves a checkpoint and a
-resumed run repeats its next step."""
+padded rows, and packed rows compile no Triton kernel after the first step; one DPO run on GPU saves
+a checkpoint and a resumed run repeats its next step."""
 
 from __future__ import annotations
 
@@ -106,6 +106,41 @@ def test_fast_kernels_train_like_eager_padded_rows(smollm2, kernels, figures, re
     base = LearnerConfig(lr=1e-5, micro_batch_size=4, padding_mask=True)
     fast = replace(base, padding_mask=False, **FAST_KERNELS[kernels])
     _assert_same_step(batch, _step(str(smollm2), base, batch), _step(str(smollm2), fast, batch), figures)
+
+
+def _two_steps_compiles(model_path: str, learner_cfg: LearnerConfig, lengths: list[list[int]]) -> list[float]:
+    """`perf/jit_compiles` of one learner's train steps on rows of these lengths (run in a fresh
+    process: Triton's kernels compiled by earlier tests live in this one)."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from actors.learner_base import LearnerRank
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
+    learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
+                          model_path=model_path, model_cfg=ModelConfig(dtype="bfloat16"), learner_cfg=learner_cfg,
+                          temperature=1.0, with_reference=False, seed=0, driver_store=True)
+    try:
+        return [learner.train_step(ragged_batch(rows, vocab=vocab, prompt=12), GRPOObjective()).values[
+            "perf/jit_compiles"] for rows in lengths]
+    finally:
+        learner.shutdown()
+
+
+def test_packed_rows_compile_no_triton_kernel_after_the_first_step(smollm2, figures):
+    """Liger's RoPE and RMSNorm kernels take a packed row's length, and Triton compiles a kernel again
+    for an integer argument that is a multiple of 16 when it was not before (or the other way): the
+    rows are topped up to a multiple of 16 (`actors.learner_forward.PACK_MULTIPLE`), so a second step
+    whose rows are multiples of 16 (the first's were not) compiles nothing (`perf/jit_compiles`)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    cfg = replace(LearnerConfig(lr=1e-5), **FAST_KERNELS["varlen-liger-cast"])
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        compiles = pool.submit(_two_steps_compiles, str(smollm2), cfg, [[401, 389], [400, 384]]).result()
+    figures.update(jit_compiles=compiles)
+    assert compiles[0] > 0 and compiles[1] == 0, figures
 
 
 DPO = "configs/dpo_smollm2_cpu.yaml"

@@ -131,3 +131,34 @@ def test_fused_head_kernels_equal_the_eager_head(temperature, keep_logits, monke
         results.append((out.detach(), hidden.grad.clone(), weight.grad.clone()))
     for eager, fused in zip(*results):
         torch.testing.assert_close(fused, eager, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["position-ids", "varlen"])
+def test_packed_rows_are_topped_up_to_a_multiple_of_16_tokens_and_score_as_padded_rows(tiny_qwen2, varlen):
+    """`actors.learner_forward.PACK_MULTIPLE`: 21 tokens of three documents reach the model as one row of
+    32 (Triton compiles Liger's kernels once per divisibility of the row's length by 16), and the
+    filler document changes no log-prob of the padded rows."""
+    from actors.hf_model import load_hf_model
+    from actors.learner_forward import PACK_MULTIPLE, Layout, forward_logprobs
+    from rlhf.config import LearnerConfig
+    from rlhf.types import TrainBatch
+
+    padded, model = (load_hf_model(str(tiny_qwen2), gradient_checkpointing=False, fused_head=True, attention=a)
+                     for a in ("sdpa", register_varlen_attention() if varlen else "sdpa"))
+    g, lengths = torch.Generator().manual_seed(2), [7, 3, 11]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+    ids[mask] = torch.randint(3, model.config.vocab_size, (sum(lengths),), generator=g)
+    scored = mask & (torch.arange(max(lengths))[None, :] >= 2)
+    batch = TrainBatch(input_ids=ids, attention_mask=mask, loss_mask=scored, advantages=torch.zeros(len(lengths)))
+    shapes = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        want = forward_logprobs(padded, batch, Layout(LearnerConfig(), 1.0, cpu))
+        got = forward_logprobs(model, batch, Layout(LearnerConfig(pack_sequences=True, attention=(
+            "varlen" if varlen else "sdpa")), 1.0, cpu, varlen=varlen))
+    assert PACK_MULTIPLE == 16 and shapes == [(1, 32)]
+    assert bool(got[scored].ne(0).all())
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
