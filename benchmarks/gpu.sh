@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu.sh --only ours-gen
 #   bash benchmarks/gpu.sh --combine           # ... then one table from the latest record of each side
 #   bash benchmarks/gpu.sh --profile           # torch.profiler traces (benchmarks/results/traces/grpo-gpu/)
+#   bash benchmarks/gpu.sh --deadline 540      # a record within 540 s (each side its share; stopped sides keep their steps)
 #   bash benchmarks/gpu.sh --results "$OUT"    # JSON lines somewhere else (any benchmarks/run.py option works)
 #
 # Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH,

@@ -65,6 +65,8 @@ from benchmarks.summary import (  # noqa: E402
     parse_gpu_query,
     plot_step_phases,
     report_text,
+    stopped_line,
+    usable,
     waves,
 )
 from benchmarks.workloads import (  # noqa: E402
@@ -130,6 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default="outputs/bench", help="run folders and logs (default: %(default)s)")
     p.add_argument("--results", default="benchmarks/results", help="JSON lines go here (default: %(default)s)")
     p.add_argument("--side-timeout", type=float, default=3600, help="seconds before a side is stopped")
+    p.add_argument("--deadline", type=float, metavar="S",
+                   help="seconds for the whole benchmark, the record included: each wave of sides gets an equal "
+                        "share of the time left, a side stopped at its share still counts with the steps it "
+                        f"finished, and a wave with under {MIN_SIDE_S:.0f} s left is not started")
     p.add_argument("--combine", action="store_true",
                    help="run nothing: combine the latest record of each side in the results file into one table "
                         "and record (for sides run separately, e.g. under a per-command time limit)")
@@ -228,6 +234,27 @@ def first_step_start(metrics: Path) -> float | None:
 
 
 STOP_GRACE_S = 20.0
+MIN_SIDE_S = 90.0  # under --deadline, a wave with less time than this left is not started
+RECORD_S = STOP_GRACE_S + 10.0  # what --deadline keeps for stopping the last sides and writing the record
+
+
+def wave_timeout(end: float | None, side_timeout: float, waves_left: int) -> float | None:
+    """The seconds a wave of sides (or scale layouts) may take under a deadline (`end`, on
+    `time.monotonic`'s clock): an equal share of the time left once RECORD_S is kept for the
+    record, so what one wave leaves unused passes on to the next; at most `side_timeout`, at least
+    MIN_SIDE_S; None when less than MIN_SIDE_S is left (the wave is not started). No deadline:
+    `side_timeout`."""
+    if end is None:
+        return side_timeout
+    left = deadline_left(end)
+    if left < MIN_SIDE_S:
+        return None
+    return min(side_timeout, max(left / waves_left, MIN_SIDE_S))
+
+
+def deadline_left(end: float) -> float:
+    """Seconds left for sides before the deadline `end`, once RECORD_S is kept for the record."""
+    return max(end - time.monotonic() - RECORD_S, 0.0)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
@@ -436,9 +463,10 @@ def pinned(cmd: list[str], cpus: str | None) -> list[str]:
 
 
 def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, *, model_path: str | None,
-             workdir: Path, env: dict[str, str], pin: bool = False) -> dict[str, Any]:
+             workdir: Path, env: dict[str, str], pin: bool = False, timeout: float | None = None) -> dict[str, Any]:
     """One side on `gpus` (CUDA_VISIBLE_DEVICES; unpinned when empty), with a Ray folder of its own;
-    with `pin`, on its GPUs' share of the host's cores (`gpu_cores`)."""
+    with `pin`, on its GPUs' share of the host's cores (`gpu_cores`); stopped after `timeout` seconds
+    (default `--side-timeout`)."""
     side_dir = workdir / w.name / side
     shutil.rmtree(side_dir, ignore_errors=True)
     sw, overrides = side_plan(w, side, str(side_dir / "run"), model_path)
@@ -448,7 +476,7 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
     where = (" on GPU " + ",".join(gpus) if gpus else "") + (
         f", cores {env['BENCH_CPUS']}" if "BENCH_CPUS" in env else "")
     print(f"[bench] {side}: running{where} (log: {side_dir / 'log.txt'})", flush=True)
-    timeout, eos = args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []
+    timeout, eos = timeout or args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []
     if side in ("ours", f"ours{TUNED}"):
         r = run_ours(sw, overrides, side_dir, env, timeout)
         try:
@@ -473,7 +501,8 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
     if r.get("ok"):  # a failed side keeps its Ray's own logs (its record names the folder)
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
-    return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"]}
+    return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"],
+            "timeout_s": timeout}
 
 
 def failed_side(name: str, gpus: list[str], error: str) -> dict[str, Any]:
@@ -506,10 +535,30 @@ def run_wave(wave: dict[str, list[str]], run: Any) -> dict[str, dict[str, Any]]:
     return {side: results[side] for side in wave}
 
 
+def run_waves(plan: list[dict[str, list[str]]], run: Any, args: argparse.Namespace, end: float | None,
+              tag: str = "bench") -> dict[str, dict[str, Any]]:
+    """Each wave of `plan` in turn, its sides at once (`run_wave`: `run(name, gpus, pin, timeout)`,
+    pinned unless `--no-pin` where several share the host), within its share of the `--deadline`
+    ending at `end` (`wave_timeout`); a wave left too little time gets records saying so."""
+    results: dict[str, dict[str, Any]] = {}
+    for k, wave in enumerate(plan):
+        timeout = wave_timeout(end, args.side_timeout, len(plan) - k)
+        if timeout is None:
+            why = f"not started: {deadline_left(end):.0f} s of --deadline {args.deadline:g} left"
+            print(f"[{tag}] {', '.join(wave)}: {why}", flush=True)
+            results.update({name: failed_side(name, g, why) for name, g in wave.items()})
+            continue
+        pin = len(wave) > 1 and not args.no_pin
+        results.update(run_wave(wave, lambda name, g, pin=pin, t=timeout: run(name, g, pin, t)))
+    return results
+
+
 def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_path: str | None,
-              workdir: Path, env: dict[str, str]) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, Any]]:
-    """Every side, in the waves `waves` makes; returns their records, the overrides of the first
-    side and the schedule (whether sides ran at the same time, each wave's GPUs)."""
+              workdir: Path, env: dict[str, str], end: float | None = None
+              ) -> tuple[dict[str, dict[str, Any]], list[str], dict[str, Any]]:
+    """Every side, in the waves `waves` makes, each wave within its share of the `--deadline` that
+    ends at `end` (`wave_timeout`); returns their records, the overrides of the first side and the
+    schedule (whether sides ran at the same time, each wave's GPUs)."""
     gpus = visible_gpus(env) if w.device == "cuda" else []
     needs = {s: gpus_needed(*side_plan(w, s, str(workdir / w.name / s / "run"), model_path), s) if gpus else 0
              for s in sides}
@@ -519,11 +568,8 @@ def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_
     if any(len(wave) > 1 for wave in plan):
         print("[bench] waves: " + " | then ".join(", ".join(f"{s} on GPU {','.join(g)}" for s, g in wave.items())
                                                  for wave in plan), flush=True)
-    results: dict[str, dict[str, Any]] = {}
-    for wave in plan:
-        pin = len(wave) > 1 and not args.no_pin
-        results.update(run_wave(wave, lambda side, g, pin=pin: run_side(
-            w, side, g, args, model_path=model_path, workdir=workdir, env=env, pin=pin)))
+    results = run_waves(plan, lambda side, g, pin, timeout: run_side(
+        w, side, g, args, model_path=model_path, workdir=workdir, env=env, pin=pin, timeout=timeout), args, end)
     first = results[sides[0]].get("overrides") or []
     return results, first, {"concurrent": any(len(wave) > 1 for wave in plan), "waves": plan}
 
@@ -549,6 +595,7 @@ def report(record: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    end = None if args.deadline is None else time.monotonic() + args.deadline
     w = resolve_workload(args)
     workdir = (REPO / args.workdir).resolve()
     results_path = REPO / args.results / f"{w.name}.jsonl"
@@ -571,9 +618,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.profile_ours import profile_sides
 
             return profile_sides(w, sides, model_path=model_path, workdir=workdir, env=env)
-        results, overrides, schedule = run_sides(w, sides, args, model_path=model_path, workdir=workdir, env=env)
+        results, overrides, schedule = run_sides(w, sides, args, model_path=model_path, workdir=workdir, env=env,
+                                                 end=end)
         results, filled = tuned_from_untuned(results, w)
-        notes += filled
+        notes += filled + [stopped_line(s, r, w.steps) for s, r in results.items() if usable(r) and not r.get("ok")]
     record = build_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         command=shlex.join([Path(PYTHON).name, "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -50,20 +50,29 @@ sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
 from benchmarks.run import (  # noqa: E402
     BENCH_ENV,
+    MIN_SIDE_S,
     PYTHON,
-    STOP_GRACE_S,
-    failed_side,
     git_info,
     machine_info,
     prepare_model,
     run_ours,
-    run_wave,
+    run_waves,
     side_env,
     step_prompt_tokens,
     versions,
     visible_gpus,
 )
-from benchmarks.summary import ENGINE_GEN_S, format_value, ours_grpo_steps, steady, summarize, waves  # noqa: E402
+from benchmarks.summary import (  # noqa: E402
+    ENGINE_GEN_S,
+    format_value,
+    last_line,
+    ours_grpo_steps,
+    steady,
+    stopped_line,
+    summarize,
+    usable,
+    waves,
+)
 from benchmarks.workloads import WORKLOADS, Workload, our_overrides  # noqa: E402
 
 WORKLOAD = "grpo-gpu-scale"
@@ -71,8 +80,6 @@ BASELINE = "1gpu"
 SPEEDUP_TARGETS = {2: 1.8, 4: 3.4}  # samples/s against 1 GPU's, on the same work
 WEAK_TARGET = 0.9  # weak scaling: samples/s per GPU against 1 GPU's
 SYNC_TARGET_S = 0.3
-MIN_SIDE_S = 90.0  # under --deadline, a wave with less time than this left is not started
-RECORD_S = STOP_GRACE_S + 10.0  # what --deadline keeps for stopping the last layouts and writing the record
 
 
 @dataclass(frozen=True)
@@ -220,19 +227,6 @@ def fastest_first(schedule: list[dict[str, list[str]]]) -> list[dict[str, list[s
     return sorted(schedule, key=lambda wave: -min(len(g) for g in wave.values()))
 
 
-def usable(run: dict[str, Any]) -> bool:
-    """Whether a layout's run counts: it finished, or it was stopped (its time limit, `--deadline`)
-    after at least one step past step 0, whose figures then stand for it (`stopped_line` says so)."""
-    return bool(run.get("ok")) or len(run.get("steps") or []) >= 2
-
-
-def stopped_line(name: str, run: dict[str, Any], planned: int) -> str:
-    """One line under the table for a layout that was stopped but counts (`usable`)."""
-    done = len(run["steps"])
-    why = f"at its {run['timeout_s']:.0f} s limit" if run.get("timed_out") else f"({last_line(run.get('error'))})"
-    return f"{name} was stopped {why} after {done} of {planned} steps: its figures are steps 1-{done - 1}"
-
-
 def with_speedups(summaries: dict[str, dict[str, Any]], baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     """Each summary plus `speedup`: its samples/s over the baseline layout's (None without one)."""
     base = summaries.get(baseline, {}).get("samples_per_s")
@@ -336,12 +330,6 @@ def build_scale_record(*, workload: dict[str, Any], time: str, command: str, git
             "versions": versions, "env": env, "spec": workload, "overrides": overrides, "layouts": layouts,
             "sides": sides, "summary": summary, "targets": target_lines(summary, weak), "notes": notes,
             "scaling": "weak" if weak else "strong", "schedule": schedule}
-
-
-def last_line(text: str | None) -> str:
-    """The last non-blank line of a failed run's log tail."""
-    lines = [line for line in (text or "").splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "failed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,19 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                           prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
                           prompts=prompts[name])
 
-    sides: dict[str, dict[str, Any]] = {}
-    for k, wave in enumerate(schedule):
-        timeout = args.side_timeout
-        if end is not None:
-            left = end - time.monotonic() - RECORD_S
-            if left < MIN_SIDE_S:
-                why = f"not started: {max(left, 0):.0f} s of --deadline {args.deadline:g} left"
-                print(f"[scale] {', '.join(wave)}: {why}", flush=True)
-                sides.update({n: failed_side(n, g, why) for n, g in wave.items()})
-                continue
-            timeout = min(timeout, max(left / (len(schedule) - k), MIN_SIDE_S))
-        pin = len(wave) > 1 and not args.no_pin
-        sides.update(run_wave(wave, lambda name, devices, pin=pin, t=timeout: run(name, devices, pin, t)))
+    sides = run_waves(schedule, run, args, end, tag="scale")
     devices = {n: g for wave in schedule for n, g in wave.items()}
     record = build_scale_record(
         workload=w.to_dict(), time=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

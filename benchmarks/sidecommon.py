@@ -2,7 +2,8 @@
 
 Each side is a separate process started by benchmarks/run.py; it writes one JSON object (the
 "side record") to `--out`: `{"side", "ok", "error", "startup_s", "steps": [...], ...}`. A side that
-fails still writes its record, with `ok: false` and the exception, so the runner can report it.
+fails, or is stopped at its time limit, still writes its record, with `ok: false` and the exception,
+so the runner can report it (and use the steps it finished).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import time
 import traceback
 from collections.abc import Callable
@@ -48,10 +50,20 @@ def peak_memory() -> dict[str, float]:
     return out
 
 
+class Stopped(BaseException):
+    """The runner stopped this side (SIGTERM at its `--side-timeout`): not an `Exception`, so no
+    handler inside the trainer takes it for an error of its own and carries on."""
+
+
+def _stopped(signum: int, _frame: Any) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name} (the runner's time limit)")
+
+
 def run_side(name: str, out: str, body: Callable[[dict[str, Any]], None]) -> int:
-    """Run `body(record)` and write `record` to `out` whatever happens; exit status 1 on failure."""
+    """Run `body(record)` and write `record` to `out` whatever happens, a stop by the runner
+    included (the steps finished until then stand); exit status 1 on failure."""
     record: dict[str, Any] = {"side": name, "ok": False, "error": None, "steps": [], "notes": []}
-    status = 0
+    status, previous = 0, signal.signal(signal.SIGTERM, _stopped)
     try:
         body(record)
         record["ok"] = True
@@ -60,6 +72,8 @@ def run_side(name: str, out: str, body: Callable[[dict[str, Any]], None]) -> int
         record["traceback"] = traceback.format_exc()[-6000:]
         traceback.print_exc()
         status = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     record.update(peak_memory())
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(record, indent=1, default=str))

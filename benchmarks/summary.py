@@ -423,3 +423,22 @@ def report_text(record: dict[str, Any]) -> str:
             ", ".join(f"{s} on GPU {','.join(g)}" for s, g in wave.items()) for wave in schedule["waves"]))
     out += [f"note: {note}" for note in record["notes"]]
     return "\n".join(out)
+
+
+def last_line(text: str | None) -> str:
+    """The last non-blank line of a failed run's log tail."""
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "failed"
+
+
+def usable(run: dict[str, Any]) -> bool:
+    """Whether a side's (or scale layout's) run counts: it finished, or it was stopped (its time limit,
+    `--deadline`) after at least one step past step 0, whose figures then stand for it (`stopped_line`)."""
+    return bool(run.get("ok")) or len(run.get("steps") or []) >= 2
+
+
+def stopped_line(name: str, run: dict[str, Any], planned: int) -> str:
+    """One line under the table for a side or layout that was stopped but counts (`usable`)."""
+    done = len(run["steps"])
+    why = f"at its {run['timeout_s']:.0f} s limit" if run.get("timed_out") else f"({last_line(run.get('error'))})"
+    return f"{name} was stopped {why} after {done} of {planned} steps: its figures are steps 1-{done - 1}"

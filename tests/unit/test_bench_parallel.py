@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -364,3 +365,73 @@ def test_a_stopped_side_leaves_nothing_and_its_leader_cleans_up_first(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the leader's child outlived the stop")
+
+
+def test_a_side_stopped_at_its_limit_writes_the_steps_it_finished(tmp_path):
+    """`benchmarks.sidecommon.run_side`: the runner's SIGTERM (`stop_group`) ends a TRL side with its
+    record written, the steps finished so far in it and the stop as its error, not with nothing."""
+    from benchmarks.run import stop_group
+
+    out = tmp_path / "side.json"
+    side = (
+        "import sys, time\n"
+        "from benchmarks.sidecommon import run_side\n"
+        "def body(record):\n"
+        "    record['steps'] += [{'step': 0, 'step_s': 2.0}, {'step': 1, 'step_s': 1.0}]\n"
+        "    print('two steps', flush=True)\n"
+        "    time.sleep(300)\n"
+        f"sys.exit(run_side('trl-vllm', {str(out)!r}, body))\n")
+    proc = subprocess.Popen([sys.executable, "-c", side], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.readline().strip() == "two steps"
+    stop_group(proc)
+    record = json.loads(out.read_text())
+    assert proc.returncode == 1 and not record["ok"]
+    assert [s["step"] for s in record["steps"]] == [0, 1]
+    assert record["error"] == "Stopped: stopped by SIGTERM (the runner's time limit)"
+
+
+@pytest.mark.parametrize("first_side_s", [400.0, 100.0])
+def test_a_deadline_shares_the_time_between_sides_in_turn(monkeypatch, tmp_path, capsys, first_side_s):
+    """`--deadline 500` on one GPU, ours then TRL in turn (`run.wave_timeout`, as scale.py's layouts):
+    ours may take 235 s, half of the 470 s left once 30 s are kept for stopping and the record. When
+    ours takes 400 s (a fake clock), TRL (70 s left, under 90) is not started and its record says so;
+    when ours takes 100 s, TRL gets the 370 s that are left."""
+    import time
+    from types import SimpleNamespace
+
+    clock, limits = {"now": 1000.0}, {}
+    monkeypatch.setattr(run, "time", SimpleNamespace(monotonic=lambda: clock["now"], time=time.time, sleep=time.sleep))
+    monkeypatch.setattr(run, "visible_gpus", lambda env: ["0"])
+
+    def side(w, name, gpus, *a, timeout=None, **kw):
+        limits[name] = timeout
+        clock["now"] += first_side_s if name == "ours" else 0.0
+        return {"side": name, "ok": True, "gpus": gpus, "overrides": []}
+
+    monkeypatch.setattr(run, "run_side", side)
+    results, _, _ = run.run_sides(WORKLOADS["grpo-gpu"], ["ours", "trl-vllm"], _args(side_timeout=3600.0, deadline=500.0),
+                                  model_path=str(tmp_path / "model"), workdir=tmp_path, env={}, end=1500.0)
+    assert limits["ours"] == 235.0
+    if first_side_s == 400.0:
+        assert "trl-vllm" not in limits and not results["trl-vllm"]["ok"]
+        assert results["trl-vllm"]["error"] == "not started: 70 s of --deadline 500 left"
+        assert "[bench] trl-vllm: not started: 70 s of --deadline 500 left" in capsys.readouterr().out
+    else:
+        assert limits["trl-vllm"] == 370.0 and results["trl-vllm"]["ok"]
+
+
+def test_a_side_stopped_after_some_steps_counts_and_the_record_says_so(monkeypatch, tmp_path):
+    """A side stopped at its limit after step 0 and more (`summary.usable`) keeps its figures in the
+    table, and the record's notes say which steps they are (`summary.stopped_line`)."""
+    steps = [{"step": k, "step_s": 30.0 - k, "generate_s": 20.0, "gen_tokens": 262144, "train_s": 9.0} for k in range(3)]
+    monkeypatch.setattr(run, "prepare_model", lambda w, workdir: str(tmp_path / "model"))
+    monkeypatch.setattr(run, "visible_gpus", lambda env: ["0"])
+    monkeypatch.setattr(run, "run_side", lambda w, name, gpus, *a, timeout=None, **kw: {
+        "side": name, "ok": False, "timed_out": True, "timeout_s": 235.0, "gpus": gpus, "overrides": [],
+        "steps": steps, "wall_s": 235.0, "error": "Stopped: stopped by SIGTERM (the runner's time limit)"})
+    rc = run.main(["--workload", "grpo-gpu", "--only", "trl-vllm", "--workdir", str(tmp_path / "work"),
+                   "--results", str(tmp_path / "results")])
+    [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu.jsonl").read_text().splitlines()]
+    assert rc == 1 and record["summary"]["trl-vllm"]["step_s"] == 28.5  # steps 1-2
+    assert "trl-vllm was stopped at its 235 s limit after 3 of 5 steps: its figures are steps 1-2" in record["notes"]

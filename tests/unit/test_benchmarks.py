@@ -460,11 +460,15 @@ def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, cap
     the record still comes out with all three layouts; when it takes 100 s, that wave gets the 370 s
     that are left."""
     import threading
+    import time
+    from types import SimpleNamespace
 
-    from benchmarks import scale
+    from benchmarks import run, scale
 
     clock = {"now": 1000.0}
-    monkeypatch.setattr(scale, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock["now"])}))
+    fake = SimpleNamespace(monotonic=lambda: clock["now"], time=time.time, sleep=time.sleep)
+    monkeypatch.setattr(scale, "time", fake)
+    monkeypatch.setattr(run, "time", fake)  # run.wave_timeout: the shares
     monkeypatch.setattr(scale, "visible_gpus", lambda env: ["0", "1", "2", "3"])
     monkeypatch.setattr(scale, "prepare_model", lambda w, workdir: str(tmp_path / "model"))
     monkeypatch.setattr(scale, "step_prompt_tokens", lambda w, common: [20] * w.steps)
