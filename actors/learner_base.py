@@ -174,7 +174,7 @@ class LearnerRank:
         self.sharding: Sharding = sharding_cls(context, model_path, with_reference)
         self._heap_settled = False  # "Frozen heap": again after the first train step
         self._gc = GcClock()  # "Host stalls"
-        self._jit = JitClock() if self.device.kind == "cuda" else None
+        self._jit = JitClock.start() if self.device.kind == "cuda" else None
         freeze_heap()
 
     @property
@@ -309,10 +309,11 @@ class LearnerRank:
         collector's seconds and full collections and, on a GPU, the caching allocator's driver
         allocations and retries and the Triton kernels compiled (and their seconds)."""
         out = {"perf/gc_s": self._gc.seconds, "perf/gc_full": float(self._gc.full)}
-        if self._jit is not None:
+        if self.device.kind == "cuda":
             mallocs, retries = self.device.allocator_calls()
-            out.update({"perf/device_mallocs": float(mallocs), "perf/alloc_retries": float(retries),
-                        "perf/jit_compiles": float(self._jit.compiles), "perf/jit_s": self._jit.seconds})
+            out.update({"perf/device_mallocs": float(mallocs), "perf/alloc_retries": float(retries)})
+        if self._jit is not None:
+            out.update({"perf/jit_compiles": float(self._jit.compiles), "perf/jit_s": self._jit.seconds})
         return out
 
     def _perf(self, flops: float, seconds: float, stalls: dict[str, float]) -> dict[str, float]:

@@ -163,6 +163,14 @@ class JitClock:
             self._start = None
         return self._after(**kwargs) if self._after else None
 
+    @classmethod
+    def start(cls) -> JitClock | None:
+        """A clock, or None where this Triton has no compile hooks (`triton.knobs`, 3.3 on) or there is none."""
+        try:
+            return cls()
+        except ImportError:
+            return None
+
     def close(self) -> None:
         if self._runtime.jit_cache_hook == self._starting:
             self._runtime.jit_cache_hook = self._before

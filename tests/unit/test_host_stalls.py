@@ -66,3 +66,11 @@ def test_the_jit_clock_counts_triton_compiles_and_keeps_the_hooks_it_found():
     finally:
         clock.close()
     assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == saved
+
+
+def test_no_jit_clock_where_triton_has_no_compile_hooks(monkeypatch):
+    """A Triton without `knobs` (before 3.3), or none at all: the learner reports no compiles, and starts."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `from triton import knobs` raises ImportError
+    assert JitClock.start() is None
