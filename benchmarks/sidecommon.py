@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -41,11 +42,11 @@ def load_run_config(recipe: str, overrides: list[str]) -> Any:
 
 
 def peak_memory() -> dict[str, float]:
-    """This process's own high-water marks: resident set (and CUDA allocator where there is a GPU)."""
-    import torch
-
+    """This process's own high-water marks: resident set (and CUDA allocator where there is a GPU).
+    torch is not imported here: a side stopped before it used torch writes its record at once."""
+    torch = sys.modules.get("torch")
     out = {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    if torch.cuda.is_available():
+    if torch is not None and torch.cuda.is_available():
         out["cuda_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
 
