@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
@@ -13,14 +14,12 @@ def pad_sequences(seqs: list[list[int]], prompt_lens: list[int], pad_id: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (input_ids, attention_mask, loss_mask) [B, T]; the loss mask covers each row's
     tokens after its first `prompt_lens[i]` (the response)."""
-    b, t = len(seqs), max(len(s) for s in seqs)
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, t), dtype=torch.bool)
-    loss_mask = torch.zeros((b, t), dtype=torch.bool)
-    for i, (seq, p) in enumerate(zip(seqs, prompt_lens)):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention_mask[i, : len(seq)] = True
-        loss_mask[i, p : len(seq)] = True
+    lengths = torch.tensor([len(s) for s in seqs])
+    columns = torch.arange(int(lengths.max()))[None, :]
+    attention_mask = columns < lengths[:, None]
+    loss_mask = attention_mask & (columns >= torch.tensor(prompt_lens)[:, None])
+    input_ids = torch.full(attention_mask.shape, pad_id, dtype=torch.long)
+    input_ids[attention_mask] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)  # row-major
     return input_ids, attention_mask, loss_mask
 
 
@@ -34,9 +33,10 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     prompts = [rollouts.prompt_ids[i // g] for i in range(len(rollouts.completions))]
     seqs = [p + c.token_ids for p, c in zip(prompts, rollouts.completions)]
     input_ids, attention_mask, loss_mask = pad_sequences(seqs, [len(p) for p in prompts], pad_id)
-    sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)
+    sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)  # the completions' positions: loss_mask's
+    sampler_lp[loss_mask] = torch.tensor(list(chain.from_iterable(c.logprobs for c in rollouts.completions)),
+                                         dtype=torch.float32)
     for i, (p, c) in enumerate(zip(prompts, rollouts.completions)):
-        sampler_lp[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.logprobs, dtype=torch.float32)
         if c.mask is not None:  # a multi-turn episode: its model tokens only (rlhf.env.episodes)
             loss_mask[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.mask, dtype=torch.bool)
     return TrainBatch(

@@ -1,5 +1,5 @@
 """Micro-batches by token budget: the bins (hand-computed), and the same loss and gradients as
-fixed micro-batches on a tiny model (GRPO rows and DPO pairs)."""
+fixed micro-batches on a tiny model (GRPO rows and DPO pairs); rollouts to a padded batch, by hand."""
 
 from __future__ import annotations
 
@@ -93,3 +93,25 @@ def test_token_budget_gives_the_gradients_of_fixed_micro_batches(tiny_qwen2, kin
     assert loss_budget == pytest.approx(loss_fixed, abs=1e-5)
     for name, g in grads_fixed.items():
         torch.testing.assert_close(grads_budget[name], g, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_rollouts_to_batch_pads_rows_and_places_the_sampler_logprobs():
+    """Rollout i is prompt i // G then completion i, right-padded; the loss mask and the sampler's
+    log-probs cover the completion (of a multi-turn episode, its model tokens), by hand."""
+    from rlhf.data.batching import rollouts_to_batch
+    from rlhf.types import Completion, RolloutBatch
+
+    completions = [Completion([7, 8], [-0.5, -0.25], "stop"), Completion([9], [-1.0], "length"),
+                   Completion([4, 5, 6], [-0.1, -0.2, -0.3], "stop", mask=[True, False, True]),
+                   Completion([3], [-2.0], "stop")]
+    rollouts = RolloutBatch(rows=[None, None], prompt_ids=[[1, 2], [11]], completions=completions, group_size=2)
+    batch = rollouts_to_batch(rollouts, torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64), pad_id=0)
+    assert batch.input_ids.tolist() == [[1, 2, 7, 8], [1, 2, 9, 0], [11, 4, 5, 6], [11, 3, 0, 0]]
+    assert batch.attention_mask.tolist() == [[True] * 4, [True, True, True, False], [True] * 4,
+                                             [True, True, False, False]]
+    assert batch.loss_mask.tolist() == [[False, False, True, True], [False, False, True, False],
+                                        [False, True, False, True], [False, True, False, False]]
+    assert batch.sampler_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.25], [0.0, 0.0, -1.0, 0.0],
+                                               [0.0, pytest.approx(-0.1), pytest.approx(-0.2), pytest.approx(-0.3)],
+                                               [0.0, -2.0, 0.0, 0.0]]
+    assert batch.advantages.dtype == torch.float32 and batch.advantages.tolist() == [1.0, -1.0, 0.5, -0.5]
