@@ -13,7 +13,7 @@ from rlhf.algo.objectives import GRPOObjective
 from rlhf.config import LearnerConfig, ModelConfig
 from rlhf.types import TrainBatch
 from tests.gpu.suite import resume_from, same_step, train
-from tests.support.learners import ragged_batch
+from tests.support.learners import ragged_batch, rendezvous_store
 
 pytestmark = pytest.mark.gpu
 
@@ -22,16 +22,22 @@ def _batch(vocab: int) -> TrainBatch:
     return ragged_batch([133, 57, 258, 19, 140, 95, 201, 64], vocab=vocab, prompt=12)
 
 
-def _step(model_path: str, learner_cfg: LearnerConfig, batch: TrainBatch):
-    """One learner rank in this process (its own one-rank process group on a kernel-picked port)."""
-    import torch.distributed as dist
-
+def _learner(model_path: str, learner_cfg: LearnerConfig, port: int):
+    """One bf16 learner rank in this process, its one-rank group joined through the store on `port`
+    (`rendezvous_store(1)`, which the caller keeps alive)."""
     from actors.learner_base import LearnerRank
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
-    learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
-                           model_path=model_path, model_cfg=ModelConfig(dtype="bfloat16"), learner_cfg=learner_cfg,
-                           temperature=1.0, with_reference=False, seed=0, driver_store=True)
+    return LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port,
+                       model_path=model_path, model_cfg=ModelConfig(dtype="bfloat16"), learner_cfg=learner_cfg,
+                       temperature=1.0, with_reference=False, seed=0, driver_store=True)
+
+
+def _step(model_path: str, learner_cfg: LearnerConfig, batch: TrainBatch):
+    """Log-probs and one train step of a fresh `_learner`."""
+    import torch.distributed as dist
+
+    store = rendezvous_store(1)
+    learner = _learner(model_path, learner_cfg, store.port)
     try:
         lp = learner.logprobs(batch)
         metrics = learner.train_step(batch, GRPOObjective())
@@ -111,16 +117,11 @@ def test_fast_kernels_train_like_eager_padded_rows(smollm2, kernels, figures, re
 def _two_steps_compiles(model_path: str, learner_cfg: LearnerConfig, lengths: list[list[int]]) -> list[float]:
     """`perf/jit_compiles` of one learner's train steps on rows of these lengths (run in a fresh
     process: Triton's kernels compiled by earlier tests live in this one)."""
-    import torch.distributed as dist
     from transformers import AutoConfig
 
-    from actors.learner_base import LearnerRank
-
     vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, use_libuv=True)
-    learner = LearnerRank(rank=0, world_size=1, master_addr="127.0.0.1", master_port=store.port,
-                          model_path=model_path, model_cfg=ModelConfig(dtype="bfloat16"), learner_cfg=learner_cfg,
-                          temperature=1.0, with_reference=False, seed=0, driver_store=True)
+    store = rendezvous_store(1)
+    learner = _learner(model_path, learner_cfg, store.port)
     try:
         return [learner.train_step(ragged_batch(rows, vocab=vocab, prompt=12), GRPOObjective()).values[
             "perf/jit_compiles"] for rows in lengths]
