@@ -24,7 +24,8 @@ def kill_after_first_checkpoint(proc: subprocess.Popen, out: Path, timeout: floa
     deadline = time.time() + timeout
     while not (first / MANIFEST).exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert (first / MANIFEST).exists(), "the run never wrote its first checkpoint"
+    assert (first / MANIFEST).exists(), (
+        f"the run never wrote its first checkpoint (exit code {proc.poll()}):\n{_tail(run_log(out))}")
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:  # it finished on its own in the meantime
@@ -59,12 +60,23 @@ def run_training(script: str, config: str, output_dir: Path, *overrides: str, wa
                  timeout: float = 900) -> subprocess.CompletedProcess | subprocess.Popen:
     """`script --config config output_dir=... overrides` from the repository root, on a private
     Ray: finished, its output captured; or with `wait=False` running in its own process group (for
-    `kill_after_first_checkpoint`), its output discarded."""
+    `kill_after_first_checkpoint`), its output in `run_log(output_dir)` (a file: no pipe to fill)."""
     cmd = [sys.executable, script, "--config", config, f"output_dir={output_dir}", *overrides]
     if wait:
         return subprocess.run(cmd, cwd=ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=timeout)
-    return subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    with open(run_log(output_dir), "w") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=private_ray_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def run_log(output_dir: Path) -> Path:
+    """Where a run started with `run_training(..., wait=False)` writes its stdout and stderr: beside
+    its output directory, so that a checkpoint clean-up or `resume` never touches it."""
+    return output_dir.with_name(output_dir.name + ".log")
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} is missing)"
 
 
 @dataclass
