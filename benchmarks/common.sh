@@ -8,6 +8,8 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONUNBUFFERED=1
+# A GPU machine without a registry: the packages and assets tests/gpu/stage.sh staged there.
+if [ -d "${RLHF_GPU_STAGE:-/tmp/stage}" ]; then source tests/gpu/install.sh; fi
 
 # check_gpus TAG: every GPU of a multi-GPU run, with the versions of the stack, on one line (fails
 # without CUDA). No NVLink SHARP / multicast (NCCL, torch symmetric memory, NVSHMEM): the lent

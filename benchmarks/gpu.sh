@@ -13,9 +13,9 @@
 #   bash benchmarks/gpu.sh --deadline 540      # a record within 540 s (each side its share; stopped sides keep their steps)
 #   bash benchmarks/gpu.sh --results "$OUT"    # JSON lines somewhere else (any benchmarks/run.py option works)
 #
-# Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH,
-# as .gpubundle/meta/install_and_run.sh sets it up). The random-weight Qwen2.5-1.5B is built once under
-# <--workdir>/models/ next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+# Python: $PYTHON, else .venv/bin/python, else python3; on a machine with parts staged by tests/gpu/stage.sh
+# they are installed first (tests/gpu/install.sh). The random-weight Qwen2.5-1.5B is built once under
+# <--workdir>/models/ next to the Qwen2 tokenizer (benchmarks/models.py: $TOKENIZER, else the asset cache's).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 "$PY" - <<'PY'
 import torch, vllm, trl, accelerate, ray, transformers

@@ -9,12 +9,13 @@
 #   bash benchmarks/gpu_plan.sh                                     # every configuration the visible GPUs allow
 #   bash benchmarks/gpu_plan.sh --results outputs/plan-results ...  # JSON lines somewhere else (any plan_check.py option)
 #
-# Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
-# The random-weight Qwen2.5 shapes a configuration needs are built once under outputs/bench/models/ (by a child
-# process, on the GPU) next to the Qwen2 tokenizer from $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+# Python: $PYTHON, else .venv/bin/python, else python3; on a machine with parts staged by tests/gpu/stage.sh
+# they are installed first (tests/gpu/install.sh). The random-weight Qwen2.5 shapes a configuration needs are
+# built once under outputs/bench/models/ (by a child process, on the GPU) next to the Qwen2 tokenizer
+# (benchmarks/models.py: $TOKENIZER, else the asset cache's).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 if [[ " $* " == *" --combine "* ]]; then
   exec "$PY" benchmarks/plan_check.py "$@"  # runs nothing: no GPU needed
 fi
 check_gpus gpu_plan.sh  # each configuration's local Ray inherits its NCCL settings
-exec "$PY" benchmarks/plan_check.py --tokenizer "${TOKENIZER:-.gpubundle/meta/tok.tar.xz}" "$@"
+exec "$PY" benchmarks/plan_check.py "$@"

@@ -9,9 +9,9 @@
 #   bash benchmarks/gpu_scale.sh --layouts 1gpu,4gpu-split-zero2,4gpu-split-zero2-async   # any of LAYOUTS
 #   bash benchmarks/gpu_scale.sh --results "$OUT"            # JSON lines (and the plot) somewhere else
 #
-# Python: $PYTHON, else .venv/bin/python, else python3 (e.g. with the .gpubundle site-packages on PYTHONPATH).
-# The random-weight Qwen2.5-1.5B is built once under <--workdir>/models/ next to the Qwen2 tokenizer from
-# $TOKENIZER (default .gpubundle/meta/tok.tar.xz).
+# Python: $PYTHON, else .venv/bin/python, else python3; on a machine with parts staged by tests/gpu/stage.sh
+# they are installed first (tests/gpu/install.sh). The random-weight Qwen2.5-1.5B is built once under
+# <--workdir>/models/ next to the Qwen2 tokenizer (benchmarks/models.py: $TOKENIZER, else the asset cache's).
 source "$(dirname "$0")/common.sh"  # strict mode, repository root, $PY
 check_gpus gpu_scale.sh  # each layout's local Ray inherits its NCCL settings
 exec "$PY" benchmarks/scale.py "$@"

@@ -4,8 +4,9 @@
 
 `random:qwen2.5-1.5b` is Qwen2.5-1.5B's architecture (28 layers, hidden 1536, GQA 12/2 heads,
 vocab 151,936, tied embeddings) with seeded random bf16 weights, next to the Qwen2 tokenizer
-(the folder or .tar.xz given by --tokenizer; default: $TOKENIZER, else the copy the GPU bundle
-ships, .gpubundle/meta/tok.tar.xz; benchmarks/run.py and scale.py build under --workdir with it). The
+(the folder or .tar.xz given by --tokenizer; default: $TOKENIZER, which tests/gpu/install.sh sets
+to the staged copy, else the asset cache's, `python -m scripts.assets fetch qwen2-tokenizer`;
+benchmarks/run.py and scale.py build under --workdir with it). The
 vocabulary must be the real one: random weights sample any of the 151,936 ids, and every sampled id
 has to decode. Built once, reused (a stamp file).
 `random:qwen2.5-0.5b` and `random:qwen2.5-7b` are the same for Qwen2.5-0.5B (24 layers, hidden
@@ -25,7 +26,11 @@ import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TOKENIZER = Path(os.environ.get("TOKENIZER") or REPO / ".gpubundle" / "meta" / "tok.tar.xz")
+sys.path.insert(0, str(REPO))
+
+from rlhf.data.assets import cache_dir  # noqa: E402
+
+DEFAULT_TOKENIZER = Path(os.environ.get("TOKENIZER") or cache_dir() / "tokenizers" / "qwen2")
 
 SHAPES = {
     "random:qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -58,7 +63,7 @@ def build_random_model(name: str, out_root: str | Path, *, tokenizer: str | Path
     tokenizer = Path(tokenizer)
     if not tokenizer.exists():
         raise FileNotFoundError(f"{name} needs the Qwen2 tokenizer: pass --tokenizer (a folder with tokenizer.json, "
-                                f"or a .tar.xz of one); {tokenizer} does not exist")
+                                f"or a .tar.xz of one) or `python -m scripts.assets fetch qwen2-tokenizer`; {tokenizer} does not exist")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if tokenizer.is_dir():

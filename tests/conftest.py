@@ -31,8 +31,9 @@ def _has_gpu() -> bool:
 
 
 # tests/gpu/ checks the GPU-only paths (CUDA IPC weight sync, vLLM sleep, FlexAttention's backward).
-# They are collected where a GPU is (`python -m pytest tests/gpu` on the GPU machine), not on CPU CI.
-collect_ignore = [] if _has_gpu() else ["gpu"]
+# They are collected where a GPU is (`python -m pytest tests/gpu` on the GPU machine), not on CPU CI;
+# RLHF_COLLECT_GPU_TESTS=1 collects them anyway (`--collect-only`: tests/unit/test_gpu_schedule.py).
+collect_ignore = [] if _has_gpu() or os.environ.get("RLHF_COLLECT_GPU_TESTS") else ["gpu"]
 
 
 @pytest.fixture(scope="session")
