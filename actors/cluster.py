@@ -7,8 +7,9 @@ Every backend and placement choice of a run is made here, once, from the config:
                       on every bundle, started one after another, with 1/K of vLLM's share each
                       (`rlhf.rules.engines_per_device`); they sleep while the learners train, and
                       each gets the weights from the rank on its own GPU
-    split (GPU)       bundles 0..E-1 = the engines, `generator_tp` GPUs each; bundles E..E+N-1 =
-                      the learners (auto: E = the GPUs the learners leave free / generator_tp)
+    split (GPU)       bundles 0..E/K-1 = the engines, `generator_tp` GPUs each, or K engines on each
+                      (`cluster.engines_per_gpu`, started in turn like colocated ones); then N bundles =
+                      the learners (auto: E = K x the GPUs the learners leave free / generator_tp)
     learners only     DPO: bundle i = GPU i = learner rank i; no engines, no reward workers
     CPU               the same layouts with small CPU shares instead of GPUs (sleep is a no-op);
                       auto: one engine (more would share the same cores)
@@ -113,13 +114,15 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
             reward_bundle=0 if served else None,
             reward_share={unit: one * 0.1} if served else {},
         )
+    k = engines_per_device(cfg, engines)  # engines sharing a generating device (then TP 1)
+    devices = -(-engines // k)
     return Layout(
-        bundles=[{unit: one * tp} for _ in range(engines)] + [{unit: one} for _ in range(n + served)],
-        engine_bundles=list(range(engines)),
-        learner_bundles=list(range(engines, engines + n)),
-        engine_share={unit: one * tp},
+        bundles=[{unit: one * tp} for _ in range(devices)] + [{unit: one} for _ in range(n + served)],
+        engine_bundles=[e // k for e in range(engines)],
+        learner_bundles=list(range(devices, devices + n)),
+        engine_share={unit: one * tp / k},
         learner_share={unit: one},
-        reward_bundle=engines + n if served else None,
+        reward_bundle=devices + n if served else None,
         reward_share={unit: one} if served else {},
     )
 
@@ -184,8 +187,8 @@ def _engine_group(cfg: RunConfig, model_path: str, pg: Any, layout: Layout, devi
         ),
         env=_timeout_env(cfg.cluster),
     )
-    return EngineGroup(group, gpus_per_engine=cfg.cluster.generator_tp if device_kind != "cpu" else 0,
-                       sleeps=sleeps)
+    gpus = len(set(layout.engine_bundles)) * cfg.cluster.generator_tp if device_kind != "cpu" else 0
+    return EngineGroup(group, gpus=gpus, sleeps=sleeps)
 
 
 def pinned_host_gpus(cluster: ClusterConfig) -> list[str]:

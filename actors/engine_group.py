@@ -29,13 +29,12 @@ from rlhf.types import Completion, SamplingSpec
 class EngineGroup:
     """`rlhf.protocols.Generator` over the engine actors of an ActorGroup (named "engine")."""
 
-    def __init__(self, group: ActorGroup, gpus_per_engine: int = 0, sleeps: bool = False) -> None:
-        """`gpus_per_engine`: the engines' tensor-parallel width on GPUs, 0 on CPU (no per-GPU rate);
-        `sleeps`: the engines have a sleep mode (`rlhf.rules.engines_sleep`), else `sleep` and `wake`
-        never reach them."""
+    def __init__(self, group: ActorGroup, gpus: int = 0, sleeps: bool = False) -> None:
+        """`gpus`: the GPUs the engines generate on, 0 on CPU (no per-GPU rate); `sleeps`: the engines
+        have a sleep mode (`rlhf.rules.engines_sleep`), else `sleep` and `wake` never reach them."""
         self.group, self.sleeps = group, sleeps
         self.engines = group.actors
-        self.gpus = gpus_per_engine * len(self.engines)
+        self.gpus = gpus
         self._metrics: dict[str, float] = {}
 
     def __len__(self) -> int:

@@ -15,7 +15,7 @@ sends every bucket to all of them at once, so the time does not grow with the en
     cuda_ipc  colocated: learner rank r hands the engine on its own GPU the full weights (FSDP2 and
               ZeRO gather full tensors on every rank anyway); ranks feed their engines in parallel
     nccl      split: one NCCL group, learner rank 0 plus every engine's workers; one broadcast per
-              tensor reaches all engines
+              tensor reaches all engines (K groups where K engines share a GPU: NcclTransport)
 Which rank feeds which engine is decided in one place, `engine_targets`.
 
 Transports (the only thing that differs by placement):
@@ -101,39 +101,49 @@ class CudaIpcTransport:
 
 @dataclass
 class NcclTransport:
-    """Split placement: learner rank 0 broadcasts each tensor over one NCCL group that it shares
-    with every engine's workers (rank 0 = learner, engine e's workers = 1 + e*tp ... e*tp + tp).
+    """Split placement: learner rank 0 broadcasts each tensor to the engines' workers over NCCL. A
+    group holds rank 0 and at most one engine per GPU (NCCL allows one rank of a group per device),
+    so K engines a GPU (`cluster.engines_per_gpu`; engines e // K share one) make K groups, engine e
+    in group e % K (its workers = ranks 1 + i*tp ... i*tp + tp, i its place in the group); a bucket
+    is broadcast once per group, the groups in turn, so an engine waits in NCCL only while its own
+    group receives.
 
-    The communicator is created on the first send, inside the learner process, and kept there
-    (the learner caches transports by type, so the handshake happens once per run).
+    The communicators are created on the first send, inside the learner process, and kept there
+    (the learner caches transports by type, so the handshakes happen once per run).
     """
 
     dtype: torch.dtype
     master_address: str
-    master_port: int
+    master_ports: tuple[int, ...]  # one per group: K
     engine_tp: int
     bucket_bytes: int = _BUCKET_BYTES
-    _comm: Any = field(default=None, repr=False)
+    _comms: list[Any] = field(default_factory=list, repr=False)
+
+    def groups(self, engines: Engines) -> list[Engines]:
+        k = len(self.master_ports)
+        return [[(e, actor) for e, actor in engines if e % k == j] for j in range(k)]
 
     def _connect(self, engines: Engines) -> None:
         from actors.vllm_generator import open_learner_weight_group  # vLLM's own trainer-side group
 
-        world = 1 + len(engines) * self.engine_tp
-        # Every end must join concurrently: issue the engines' calls, open ours, then wait.
-        ready = [e.init_weight_update_group.remote(self.master_address, self.master_port, 1 + i * self.engine_tp,
-                                                   world) for i, e in engines]
-        self._comm = open_learner_weight_group(self.master_address, self.master_port, world)
-        gather(ready, _labels(engines), "weight-sync NCCL handshake")
+        for port, group in zip(self.master_ports, self.groups(engines)):
+            world = 1 + len(group) * self.engine_tp
+            # Every end must join concurrently: issue the engines' calls, open ours, then wait.
+            ready = [actor.init_weight_update_group.remote(self.master_address, port, 1 + i * self.engine_tp, world)
+                     for i, (_, actor) in enumerate(group)]
+            self._comms.append(open_learner_weight_group(self.master_address, port, world))
+            gather(ready, _labels(group), "weight-sync NCCL handshake")
 
     def send(self, bucket: list[tuple[str, torch.Tensor]], engines: Engines) -> None:
-        if self._comm is None:
+        if not self._comms:
             self._connect(engines)
         meta = ([n for n, _ in bucket], [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                 [tuple(t.shape) for _, t in bucket])
-        done = [e.update_weights_from_nccl.remote(*meta) for _, e in engines]
-        for _, t in bucket:
-            self._comm.broadcast(t.contiguous(), src=0)
-        gather(done, _labels(engines), "weight sync")
+        for comm, group in zip(self._comms, self.groups(engines)):
+            done = [actor.update_weights_from_nccl.remote(*meta) for _, actor in group]
+            for _, t in bucket:
+                comm.broadcast(t.contiguous(), src=0)
+            gather(done, _labels(group), "weight sync")
 
     finish = staticmethod(_commit)
 
@@ -162,8 +172,9 @@ def choose_transport(cfg: RunConfig, device_kind: str, rendezvous: Callable[[], 
     """The one place that maps (config, placement, device) to a transport. LoRA adapters
     (`learner.lora_sync: adapter`) always go through the object store: they are small (rank 16 on a
     7B model: ~40M parameters), and the engine writes them to a folder on its host anyway
-    ("LoRA adapters" in actors/vllm_generator.py). `rendezvous()` gives the NCCL group's (address, free port)
-    on learner rank 0's node; it is called only for NCCL (a Ray task: a worker process to start)."""
+    ("LoRA adapters" in actors/vllm_generator.py). `rendezvous()` gives an NCCL group's (address, free port)
+    on learner rank 0's node; it is called only for NCCL (a Ray task: a worker process to start), once
+    per group."""
     kind = cfg.cluster.weight_sync
     if serves_adapters(cfg):
         kind = "cpu"
@@ -178,6 +189,9 @@ def choose_transport(cfg: RunConfig, device_kind: str, rendezvous: Callable[[], 
         if cfg.cluster.placement != "colocated":
             raise ValueError("cluster.weight_sync='cuda_ipc' needs placement 'colocated' (one shared GPU)")
         return CudaIpcTransport(dtype=dtype)
-    master_address, master_port = rendezvous()
-    return NcclTransport(dtype=dtype, master_address=master_address, master_port=master_port,
-                         engine_tp=cfg.cluster.generator_tp)
+    addresses = {rendezvous() for _ in range(cfg.cluster.engines_per_gpu)}
+    while len(addresses) < cfg.cluster.engines_per_gpu:  # a port handed out twice: ask again
+        addresses.add(rendezvous())
+    (master_address,) = {a for a, _ in addresses}
+    return NcclTransport(dtype=dtype, master_address=master_address,
+                         master_ports=tuple(sorted(port for _, port in addresses)), engine_tp=cfg.cluster.generator_tp)

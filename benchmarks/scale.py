@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/scale.py --layouts 1gpu,4gpu-split-zero2 --model outputs/bench/models/random-qwen2.5-1.5b
     .venv/bin/python benchmarks/scale.py --prompts 256             # strong scaling: the same 256 x 8 step everywhere
     .venv/bin/python benchmarks/scale.py --weak 64                 # weak scaling: 64 prompts per GPU
-    .venv/bin/python benchmarks/scale.py --engines-per-gpu 2       # two engines beside each learner rank
+    .venv/bin/python benchmarks/scale.py --engines-per-gpu 2       # two engines on each GPU that generates
     .venv/bin/python benchmarks/scale.py --tiny --layouts 1gpu,2gpu-fsdp2 --steps 2   # the code path, on CPU
     bash benchmarks/gpu_scale.sh --prompts 256 --deadline 520      # a record in 520 s, whatever finished
 
@@ -346,7 +346,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                   "workload's)")
     size.add_argument("--weak", type=int, metavar="P", help="P prompts per step per GPU (weak scaling)")
     p.add_argument("--engines-per-gpu", type=int, default=1, metavar="K",
-                   help="K vLLM engine processes beside each learner rank (colocated layouts; default: 1)")
+                   help="K vLLM engine processes beside each learner rank (colocated) or on each generating "
+                        "GPU (split; default: 1)")
     p.add_argument("--in-turn", action="store_true", help="one layout at a time, even where GPUs are free")
     p.add_argument("--no-pin", action="store_true",
                    help="layouts at the same time keep every host core (default: each on its GPUs' share)")
@@ -388,13 +389,12 @@ def _layout_list(text: str) -> list[str]:
 def layout_overrides(layout: Layout, *, on_gpu: bool, prompts: int | None = None, engines_per_gpu: int = 1
                      ) -> list[str]:
     """The layout's overrides; on CPU also its engine count (CPU `auto` would mean one engine);
-    with `prompts`, the step's prompts; with `engines_per_gpu` K > 1 (colocated layouts only), K
-    engines beside each learner rank."""
-    if engines_per_gpu > 1 and not layout.colocated:
-        raise ValueError(f"{engines_per_gpu} engines per GPU: colocated layouts only (a split layout's "
-                         f"engines each have a GPU of their own)")
+    with `prompts`, the step's prompts; with `engines_per_gpu` K > 1, K engines beside each learner
+    rank (colocated) or on each generating GPU (split: `cluster.engines_per_gpu`)."""
     named = not on_gpu or engines_per_gpu > 1
     engines = [f"cluster.generator_engines={layout.engines * engines_per_gpu}"] if named else []
+    if engines_per_gpu > 1 and not layout.colocated:
+        engines.append(f"cluster.engines_per_gpu={engines_per_gpu}")
     return [*layout.overrides, *engines, *([f"grpo.prompts_per_step={prompts}"] if prompts else [])]
 
 
@@ -462,15 +462,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{w.name} needs CUDA GPUs and none are visible; --tiny runs the same layouts on CPU")
     names, notes = choose_layouts(args.layouts, len(gpus), on_gpu=bool(gpus))
     prompts = {n: layout_prompts(args, LAYOUTS[n]) for n in names}
-    try:
-        keys = {n: layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n],
-                                    engines_per_gpu=args.engines_per_gpu) for n in names}
-    except ValueError as e:
-        raise SystemExit(f"scale.py: --engines-per-gpu {args.engines_per_gpu}: {e}") from None
+    keys = {n: layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n],
+                                engines_per_gpu=args.engines_per_gpu) for n in names}
     notes += args.note
     if args.engines_per_gpu > 1:
-        notes.append(f"{args.engines_per_gpu} engines beside each learner rank (cluster.generator_engines = "
-                     f"{args.engines_per_gpu} x learner ranks)")
+        notes.append(f"{args.engines_per_gpu} engines beside each learner rank (colocated) or on each generating "
+                     f"GPU (split: cluster.engines_per_gpu={args.engines_per_gpu})")
     if not gpus:
         notes.append("CPU: GPUs are nominal (every layout shares the host's cores); engines passed explicitly")
     for note in notes:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from rlhf.config_checks import validate
 from rlhf.config_loading import build, deep_copy, line_of, parse_override, read_recipe
+from rlhf.config_loading import explicit_keys  # noqa: F401  (re-exported, as load_config's companion)
 from rlhf.errors import ConfigError  # noqa: F401  (re-exported: recipes' users import it from here)
 
 
@@ -349,14 +350,19 @@ class EvalConfig:
 class ClusterConfig:
     placement: Literal["colocated", "split"] = "colocated"
     """`colocated`: engines and learners share the devices (the engines sleep while the learners
-    train); `split`: the first `generator_engines * generator_tp` devices generate, the next
-    `learner.num_ranks` learn."""
+    train); `split`: the first `generator_engines / engines_per_gpu * generator_tp` devices generate,
+    the next `learner.num_ranks` learn."""
     generator_engines: int | Literal["auto"] = "auto"
     """vLLM engines generating in parallel, sharded whole groups; colocated a divisor or multiple of
     `learner.num_ranks` (`rlhf.rules.engines_per_device`). `auto`: colocated, one per learner device;
     split, the devices the learners leave free over `generator_tp`; on CPU, 1 (they'd share cores)."""
     generator_tp: int = 1
     """Devices per engine (vLLM tensor parallelism); split placement only."""
+    engines_per_gpu: int = 1
+    """Split placement: engines sharing each generating GPU (`generator_engines` a multiple of it,
+    `generator_tp` 1), each with an equal part of `generation.gpu_memory_utilization`: several host
+    threads feed a decode that one cannot keep the GPU busy with, as colocated engines do (where the
+    count follows from `generator_engines` over `learner.num_ranks`)."""
     weight_sync: Literal["auto", "cuda_ipc", "nccl", "cpu"] = "auto"
     """`auto` picks cuda_ipc when colocated on GPU, nccl when split on GPU, cpu on CPU."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -460,22 +466,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if line is None:
             raise
         raise ConfigError(f"{p}:{line}: {e}", key=e.key) from None
-
-
-def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str]:
-    """The dotted keys a recipe file and overrides set (what `memory.plan: auto` must not change);
-    a list or a non-section value is one key. Call after `load_config` has validated both."""
-    def leaves(data: Any, prefix: str) -> set[str]:
-        if not isinstance(data, dict):
-            return {prefix}
-        return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in data.items()))
-
-    loaded = read_recipe(Path(path))[0] if path is not None else None
-    keys = leaves(loaded, "") - {""} if isinstance(loaded, dict) else set()
-    for item in overrides:
-        path_parts, value = parse_override(item)
-        keys |= leaves(value, ".".join(path_parts))
-    return keys
 
 
 def config_to_dict(cfg: Any) -> Any:

@@ -239,10 +239,19 @@ def _cluster(c: RunConfig) -> None:
     check(cl.placement == "split" or cl.generator_tp == 1, "cluster.generator_tp",
           "1 with placement=colocated (an engine shares one learner's device; tensor-parallel engines "
           "need placement=split)", cl.generator_tp)
+    k = cl.engines_per_gpu
+    check(k >= 1, "cluster.engines_per_gpu", "an integer >= 1", k)
+    check(k == 1 or cl.placement == "split", "cluster.engines_per_gpu",
+          "1 with placement=colocated (there, generator_engines over learner.num_ranks engines share a "
+          "device)", k)
+    check(k == 1 or cl.generator_tp == 1, "cluster.engines_per_gpu",
+          f"1 with cluster.generator_tp={cl.generator_tp} (engines sharing a GPU are not tensor-parallel)", k)
     engines = cl.generator_engines
     if engines == "auto":
         return
     check(engines >= 1, "cluster.generator_engines", "'auto' or an integer >= 1", engines)
+    check(engines % k == 0, "cluster.generator_engines",
+          f"a multiple of cluster.engines_per_gpu={k} (every generating GPU holds that many)", engines)
     if cl.placement == "colocated":
         check(ranks % engines == 0 or engines % ranks == 0, "cluster.generator_engines",
               f"a divisor or a multiple of learner.num_ranks={ranks} with placement=colocated (an engine "

@@ -243,3 +243,19 @@ def line_of(key: str | None, lines: dict[str, int], overrides: list[str]) -> int
         if key == set_key or key.startswith((set_key + ".", set_key + "[")):
             return None
     return lines[key]
+
+
+def explicit_keys(path: str | Path | None, overrides: list[str] = ()) -> set[str]:
+    """The dotted keys a recipe file and overrides set (what `memory.plan: auto` must not change);
+    a list or a non-section value is one key. Call after `load_config` has validated both."""
+    def leaves(data: Any, prefix: str) -> set[str]:
+        if not isinstance(data, dict):
+            return {prefix}
+        return set().union(*(leaves(v, f"{prefix}.{k}" if prefix else str(k)) for k, v in data.items()))
+
+    loaded = read_recipe(Path(path))[0] if path is not None else None
+    keys = leaves(loaded, "") - {""} if isinstance(loaded, dict) else set()
+    for item in overrides:
+        path_parts, value = parse_override(item)
+        keys |= leaves(value, ".".join(path_parts))
+    return keys

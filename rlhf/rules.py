@@ -3,8 +3,8 @@ once: the cluster that builds a run, the memory planner that sizes it and the lo
 all call these. Pure functions of a `RunConfig` (no Ray, vLLM or device imports).
 
 - `engine_count`: how many vLLM engines a run has (`cluster.generator_engines: auto` resolved).
-- `engines_per_device`: how many of them share one learner's device (colocated), and
-  `engine_generation` the memory share of each.
+- `engines_per_device`: how many of them share one device, `engine_generation` the memory share of
+  each, and `engine_gpus` the GPUs of their own they take (split).
 - `reward_workers`: how many processes score rewards (`reward.num_workers: auto` resolved).
 - `checkpoint_due`: whether the loop saves a checkpoint after a step (`save_every`).
 - `scores_reference`: whether the loop asks for reference log-probs every step.
@@ -47,7 +47,7 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
                     f"cluster.generator_engines=auto: the Ray cluster's {cluster_gpus:g} GPUs less learner.num_ranks="
                     f"{ranks} leave {free}, not a positive multiple of cluster.generator_tp={tp}; set "
                     f"cluster.generator_engines or learner.num_ranks")
-            engines = free // tp
+            engines = free // tp * cl.engines_per_gpu
         engines = min(engines, cfg.grpo.prompts_per_step)
         while cl.placement == "colocated" and ranks % engines:
             engines -= 1
@@ -56,7 +56,8 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
         if need > cluster_gpus:
             raise ConfigError(
                 f"the run needs {need} GPUs (learner.num_ranks={ranks}"
-                + (f" + {engines} engines x cluster.generator_tp={tp}" if cl.placement == "split" else "")
+                + (f" + {engine_gpus(cfg, engines)} for {engines} engine(s) (cluster.generator_tp={tp}, "
+                   f"cluster.engines_per_gpu={cl.engines_per_gpu})" if cl.placement == "split" else "")
                 + f") but the Ray cluster has {cluster_gpus:g}")
     return engines
 
@@ -70,12 +71,23 @@ def engines_sleep(placement: str, device_kind: str) -> bool:
 
 
 def engines_per_device(cfg: RunConfig, engines: int) -> int:
-    """Colocated engines that share one learner's device: `cluster.generator_engines` over
-    `learner.num_ranks` when it is a multiple of it (several engines per GPU, so that several host
-    threads feed a decode that one thread cannot keep the GPU busy with), else 1. Together they hold
-    `generation.gpu_memory_utilization` of the device, each an equal part of it."""
+    """Engines that share one device. Colocated, those beside one learner rank: `cluster.generator_engines`
+    over `learner.num_ranks` when it is a multiple of it (several engines per GPU, so that several host
+    threads feed a decode that one thread cannot keep the GPU busy with), else 1; split,
+    `cluster.engines_per_gpu`. Together they hold `generation.gpu_memory_utilization` of the device,
+    each an equal part of it."""
+    if cfg.cluster.placement == "split":
+        return cfg.cluster.engines_per_gpu
     ranks = cfg.learner.num_ranks
-    return engines // ranks if cfg.cluster.placement == "colocated" and engines > ranks else 1
+    return engines // ranks if engines > ranks else 1
+
+
+def engine_gpus(cfg: RunConfig, engines: int) -> int:
+    """GPUs of their own that `engines` engines take: split, `generator_tp` for every
+    `engines_per_device` of them; colocated none (they share the learners')."""
+    if cfg.cluster.placement != "split":
+        return 0
+    return -(-engines // cfg.cluster.engines_per_gpu) * cfg.cluster.generator_tp
 
 
 def engine_generation(generation: GenerationConfig, per_device: int) -> GenerationConfig:
@@ -89,8 +101,7 @@ def engine_generation(generation: GenerationConfig, per_device: int) -> Generati
 def run_gpus(cfg: RunConfig, engines: int) -> int:
     """GPUs a run with `engines` engines takes: the learners' (colocated engines share them), plus
     the engines' own and the reward worker's (`reward_gpus`) in split placement."""
-    split = cfg.cluster.placement == "split"
-    return cfg.learner.num_ranks + (engines * cfg.cluster.generator_tp if split else 0) + reward_gpus(cfg)
+    return cfg.learner.num_ranks + engine_gpus(cfg, engines) + reward_gpus(cfg)
 
 
 def reward_workers(num_workers: int | Literal["auto"], cores: int) -> int:

@@ -44,6 +44,7 @@ from rlhf.planner.shapes import GIB, GpuKind, ModelShape, gpu_kind, model_shape
 from rlhf.rules import (
     device_share,
     engine_count,
+    engine_gpus,
     engines_per_device,
     holds_reference_model,
     learner_state,
@@ -156,10 +157,10 @@ def micro_batch_tokens(cfg: RunConfig) -> int:
 
 def engines(cfg: RunConfig) -> int:
     """vLLM engines of the run on GPUs, by the cluster's own rule (`rlhf.rules.engine_count`) for a
-    cluster of the GPUs the run takes: split `auto` then means one engine (the planner gives every
-    other GPU to the learners, `_choices`)."""
+    cluster of the GPUs the run takes: split `auto` then means one generating GPU (the planner gives
+    every other GPU to the learners, `_choices`)."""
     pinned = cfg.cluster.generator_engines
-    return engine_count(cfg, "cuda", run_gpus(cfg, 1 if pinned == "auto" else pinned))
+    return engine_count(cfg, "cuda", run_gpus(cfg, cfg.cluster.engines_per_gpu if pinned == "auto" else pinned))
 
 
 def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
@@ -317,9 +318,9 @@ def _choices(cfg: RunConfig, pinned: set[str], gpus: int) -> list[dict[str, Any]
         free -= {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}
     ranks = [cfg.learner.num_ranks]
     if gpus and "learner.num_ranks" in free:  # split: what one engine (or the pinned engines) leave free
-        engine_gpus = (1 if cfg.cluster.generator_engines == "auto" else cfg.cluster.generator_engines) \
-            * cfg.cluster.generator_tp
-        ranks = [max(1, gpus - engine_gpus - reward_gpus(cfg)) if cfg.cluster.placement == "split" else gpus]
+        pinned = cfg.cluster.generator_engines
+        own = engine_gpus(cfg, cfg.cluster.engines_per_gpu if pinned == "auto" else pinned)
+        ranks = [max(1, gpus - own - reward_gpus(cfg)) if cfg.cluster.placement == "split" else gpus]
     options: dict[str, list[Any]] = {
         "learner.num_ranks": ranks,
         "learner.backend": ["fsdp2", "deepspeed"],

@@ -209,8 +209,11 @@ def test_multi_turn_episodes_run_ahead_in_the_background():
 # End to end
 
 STEPS = 5
+# Split with two engines in one generating bundle (`cluster.engines_per_gpu=2`, the 4-GPU layout's
+# GPU 0 on CPU shares): both generate every step, fed by learner rank 0.
 ASYNC = [f"grpo.steps={STEPS}", "save_every=2", "learner.lr=1e-3", "data.num_train=64", "data.num_eval=4",
-         "learner.num_ranks=1", "cluster.placement=split", "grpo.max_staleness=1", "grpo.prompts_per_step=8",
+         "learner.num_ranks=1", "cluster.placement=split", "cluster.generator_engines=2", "cluster.engines_per_gpu=2",
+         "grpo.max_staleness=1", "grpo.prompts_per_step=8",
          "generation.max_new_tokens=32", "generation.ignore_eos=true",
          "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"]
 DETERMINISTIC = ["reward/mean", "reward/std", "loss", "clip_frac", "response_len/mean", "grad_norm",
@@ -240,6 +243,7 @@ def test_samples_lag_one_version_and_generation_overlaps_training(async_run):
         assert 0 < r["is/weight_mean"] and r["is/weight_max"] >= r["is/weight_mean"]
         assert 0 <= r["is/clipped_frac"] <= 1 and math.isfinite(r["loss"])
     assert any(r["is/weight_max"] > 1.01 for r in records[1:])  # stale samples: weights move off 1
+    assert all(r["gen/engine0_tokens"] > 0 and r["gen/engine1_tokens"] > 0 for r in records)
     # Step k trains while the engine generates step k+1: the versions above show it (step k+1's
     # samples come from the weights before step k's update). How much time the overlap saves is
     # a wall-time figure, for benchmarks, not an assertion here.

@@ -156,7 +156,7 @@ def test_engines_without_sleep_mode_are_never_called_to_sleep(ray_local, tmp_pat
 def test_tokens_per_gpu_counts_every_engine_gpu(ray_local):
     from actors.engine_group import EngineGroup
 
-    gen = EngineGroup(_group(ray_local, 2, delays=[0.3, 0.3]), gpus_per_engine=2)  # 2 engines of TP 2
+    gen = EngineGroup(_group(ray_local, 2, delays=[0.3, 0.3]), gpus=4)  # 2 engines of TP 2
     gen.generate([[1]] * 2, SamplingSpec(n=1, max_new_tokens=1))
     gen.generate([[1]] * 4, SamplingSpec(n=5, max_new_tokens=2))  # 4 prompts x 5 samples x 2 tokens
     m = gen.last_metrics()

@@ -29,6 +29,7 @@ from benchmarks.workloads import (
     trl_prompt,
 )
 from rlhf.config import load_config
+from rlhf.rules import run_gpus
 
 
 def resolve(workload, tmp_path, **model):
@@ -545,23 +546,15 @@ def test_scale_layouts_resolve(tmp_path, on_gpu):
                                else cfg.learner.num_ranks)
     assert load_config(w.recipe, list(LAYOUTS["2gpu-zero2"].overrides)).learner.zero_stage == 2
     assert load_config(w.recipe, list(LAYOUTS["8gpu-split-zero3"].overrides)).learner.zero_stage == 3
-    # Two engines beside each learner rank: named on GPU and CPU alike; a split layout refuses it.
-    for name in ("1gpu", "4gpu-fsdp2"):
+    # Two engines beside each learner rank, or on each generating GPU of a split layout (the GPUs
+    # stay the layout's): named on GPU and CPU alike.
+    for name, ranks in (("1gpu", 1), ("4gpu-fsdp2", 4), ("4gpu-split-zero2", 3), ("4gpu-split-fsdp2-async", 2)):
         base = our_overrides(w, output_dir=str(tmp_path / name), model_path=str(tmp_path / "model"))
-        gpus = LAYOUTS[name].gpus
-        cfg = load_config(w.recipe, [*base, *layout_overrides(LAYOUTS[name], on_gpu=on_gpu, engines_per_gpu=2)])
-        assert (cfg.cluster.generator_engines, cfg.learner.num_ranks) == (2 * gpus, gpus)
-    with pytest.raises(ValueError, match="colocated layouts only"):
-        layout_overrides(LAYOUTS["4gpu-split-zero2"], on_gpu=on_gpu, engines_per_gpu=2)
-
-
-def test_scale_refuses_engines_per_gpu_on_a_split_layout_in_one_line(tmp_path):
-    from benchmarks.scale import main
-
-    refused = r"^scale.py: --engines-per-gpu 2: 2 engines per GPU: colocated layouts only"
-    with pytest.raises(SystemExit, match=refused):
-        main(["--tiny", "--layouts", "1gpu,2gpu-split", "--engines-per-gpu", "2", "--workdir", str(tmp_path)])
-    assert not (tmp_path / "grpo-gpu-scale-tiny").exists()  # refused before anything ran
+        layout = LAYOUTS[name]
+        cfg = load_config(w.recipe, [*base, *layout_overrides(layout, on_gpu=on_gpu, engines_per_gpu=2)])
+        assert (cfg.cluster.generator_engines, cfg.learner.num_ranks) == (2 * layout.engines, ranks)
+        assert cfg.cluster.engines_per_gpu == (1 if layout.colocated else 2)
+        assert run_gpus(cfg, cfg.cluster.generator_engines) == layout.gpus
 
 
 def test_scale_layouts_on_disjoint_gpus_run_at_once_and_plot(tmp_path):

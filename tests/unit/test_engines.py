@@ -112,6 +112,27 @@ def test_engines_sharing_a_gpu_split_its_memory_share():
     assert engines_per_device(one, 2) == 1 and engine_generation(one.generation, 1) is one.generation
     split = _cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=4")
     assert engines_per_device(split, 4) == 1
+    shared = _cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_engines=2",
+                  "cluster.engines_per_gpu=2", "generation.gpu_memory_utilization=0.8")
+    assert engines_per_device(shared, 2) == 2
+    assert engine_generation(shared.generation, 2).gpu_memory_utilization == pytest.approx(0.4)
+
+
+def test_split_engines_sharing_a_gpu_take_one_gpu_per_k():
+    """`cluster.engines_per_gpu=K` (split): K engines on each generating GPU; `auto` fills the GPUs the
+    learners leave free with K engines each; the GPU count a run takes counts GPUs, not engines."""
+    from rlhf.planner.memory import engines
+    from rlhf.rules import engine_count, engine_gpus, run_gpus
+
+    two = _cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.engines_per_gpu=2")
+    assert engine_count(two, "cuda", 4) == 2 and engine_gpus(two, 2) == 1 and run_gpus(two, 2) == 4
+    assert engines(two) == 2  # the planner's one generating GPU
+    pinned = _cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=4",
+                  "cluster.engines_per_gpu=2")
+    assert engine_count(pinned, "cuda", 4) == 4 and run_gpus(pinned, 4) == 4
+    with pytest.raises(ConfigError, match=r"needs 5 GPUs \(learner.num_ranks=3 \+ 2 for 4 engine"):
+        engine_count(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_engines=4",
+                          "cluster.engines_per_gpu=2"), "cuda", 4)
 
 
 def test_only_colocated_engines_on_a_gpu_sleep():
@@ -148,6 +169,12 @@ def test_engine_count_that_does_not_fit_the_gpus_is_one_line(overrides, gpus, me
     (["cluster.generator_engines=two"], "expected an integer or one of 'auto'"),
     (["cluster.generator_gpus=2"], "use cluster.generator_tp"),
     (["cluster.placement_strategy=EVERYWHERE"], "one of 'PACK'"),
+    (["cluster.engines_per_gpu=2"], "1 with placement=colocated"),
+    (["cluster.placement=split", "cluster.engines_per_gpu=2", "cluster.generator_tp=2"],
+     "1 with cluster.generator_tp=2"),
+    (["cluster.placement=split", "cluster.engines_per_gpu=2", "cluster.generator_engines=3"],
+     "a multiple of cluster.engines_per_gpu=2"),
+    (["cluster.placement=split", "cluster.engines_per_gpu=0"], "an integer >= 1"),
 ])
 def test_bad_engine_settings_are_one_line_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -173,6 +200,13 @@ def test_layouts():
     split = plan_layout(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_tp=2"), "cuda", 2)
     assert split.bundles == [{"GPU": 2.0}] * 2 + [{"GPU": 1.0}] * 3
     assert split.engine_bundles == [0, 1] and split.learner_bundles == [2, 3, 4]
+
+    # the seeds' 4-GPU split with two engines on the generating GPU: one bundle holds both
+    shared = plan_layout(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.engines_per_gpu=2",
+                              "cluster.generator_engines=2"), "cuda", 2)
+    assert shared.bundles == [{"GPU": 1.0}] * 4 and shared.engine_bundles == [0, 0]
+    assert shared.learner_bundles == [1, 2, 3] and shared.engine_share == {"GPU": 0.5}
+    assert [shared.rank_beside(e) for e in range(2)] == [None, None]
 
     cpu = plan_layout(_cfg("learner.num_ranks=2", "cluster.generator_engines=2"), "cpu", 2)
     assert cpu.bundles == [{"CPU": 0.1}] * 2 and cpu.engine_bundles == [0, 1]
@@ -209,8 +243,69 @@ def test_only_nccl_asks_for_a_rendezvous_address():
     assert isinstance(choose_transport(_cfg("cluster.placement=colocated"), "cuda", rendezvous), CudaIpcTransport)
     assert asked == []
     nccl = choose_transport(_cfg("cluster.placement=split"), "cuda", rendezvous)
-    assert isinstance(nccl, NcclTransport) and (nccl.master_address, nccl.master_port) == ("10.0.0.7", 29555)
+    assert isinstance(nccl, NcclTransport)
+    assert (nccl.master_address, nccl.master_ports) == ("10.0.0.7", (29555,))
     assert asked == [1]
+
+    ports = iter([29555, 29555, 29601])  # K groups need K distinct ports: one handed out twice is asked again
+    split2 = _cfg("cluster.placement=split", "cluster.engines_per_gpu=2", "cluster.generator_engines=2")
+    two = choose_transport(split2, "cuda", lambda: ("10.0.0.7", next(ports)))
+    assert two.master_ports == (29555, 29601)
+
+
+def test_nccl_groups_hold_one_engine_per_gpu_and_each_bucket_reaches_every_engine(monkeypatch):
+    """K engines on each generating GPU (engines e // K share one): K NCCL groups, engine e in group
+    e % K at rank 1 + i*tp by its place i there; every bucket is broadcast once per group, and an
+    engine is asked to receive only while its own group broadcasts."""
+    import torch
+
+    from actors import vllm_generator, weight_sync
+    from actors.weight_sync import NcclTransport
+
+    calls: list[tuple] = []
+
+    class Comm:
+        def __init__(self, port: int, world: int) -> None:
+            self.port, self.world = port, world
+
+        def broadcast(self, t: torch.Tensor, src: int) -> None:
+            calls.append(("broadcast", self.port, tuple(t.shape), src))
+
+    class Method:
+        def __init__(self, engine: int, name: str) -> None:
+            self.engine, self.name = engine, name
+
+        def remote(self, *args):
+            calls.append((self.name, self.engine, args))
+            return self.engine
+
+    class Engine:
+        def __init__(self, e: int) -> None:
+            self.init_weight_update_group = Method(e, "join")
+            self.update_weights_from_nccl = Method(e, "receive")
+
+    monkeypatch.setattr(vllm_generator, "open_learner_weight_group",
+                        lambda address, port, world: (calls.append(("open", port, world)), Comm(port, world))[1])
+    monkeypatch.setattr(weight_sync, "gather", lambda refs, labels, what: [calls.append(("wait", labels))])
+    engines = [(e, Engine(e)) for e in range(4)]  # GPUs 0 and 1, two engines each
+    transport = NcclTransport(dtype=torch.bfloat16, master_address="10.0.0.7", master_ports=(100, 200),
+                              engine_tp=1)
+    assert [[e for e, _ in g] for g in transport.groups(engines)] == [[0, 2], [1, 3]]
+    bucket = [("a", torch.zeros(2, 3)), ("b", torch.zeros(5))]
+    transport.send(bucket, engines)
+    transport.send(bucket, engines)
+
+    joins = [c for c in calls if c[0] == "join"]
+    assert [(c[1], c[2]) for c in joins] == [(0, ("10.0.0.7", 100, 1, 3)), (2, ("10.0.0.7", 100, 2, 3)),
+                                             (1, ("10.0.0.7", 200, 1, 3)), (3, ("10.0.0.7", 200, 2, 3))]
+    assert [c for c in calls if c[0] == "open"] == [("open", 100, 3), ("open", 200, 3)]  # once per run
+    sends = [c for c in calls if c[0] in ("receive", "broadcast", "wait")][2:]  # after the two handshakes' waits
+    one_bucket = [("receive", 0), ("receive", 2), ("broadcast", 100), ("broadcast", 100),
+                  ("wait", ["engine 0", "engine 2"]),
+                  ("receive", 1), ("receive", 3), ("broadcast", 200), ("broadcast", 200),
+                  ("wait", ["engine 1", "engine 3"])]
+    assert [c[:2] for c in sends] == one_bucket * 2
+    assert [c[2] for c in sends if c[0] == "broadcast"][:2] == [(2, 3), (5,)]
 
 
 def test_engine_metrics():

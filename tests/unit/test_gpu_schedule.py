@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def gpu_test_ids() -> list[str]:
     """tests/gpu's node ids, as pytest collects them on a GPU machine."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu"],
-                         cwd=ROOT, env=os.environ | {"RLHF_COLLECT_GPU_TESTS": "1"}, capture_output=True, text=True, check=False)
+    collect = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests/gpu"]
+    out = subprocess.run(collect, cwd=ROOT, env=os.environ | {"RLHF_COLLECT_GPU_TESTS": "1"}, capture_output=True,
+                         text=True, check=False)
     ids = [line for line in out.stdout.splitlines() if line.startswith("tests/gpu/")]
     assert out.returncode == 0 and len(ids) > 20, out.stdout[-2000:] + out.stderr[-2000:]
     return ids
