@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/scale.py --prompts 256             # strong scaling: the same 256 x 8 step everywhere
     .venv/bin/python benchmarks/scale.py --weak 64                 # weak scaling: 64 prompts per GPU
     .venv/bin/python benchmarks/scale.py --engines-per-gpu 2       # two engines on each GPU that generates
+    .venv/bin/python benchmarks/scale.py --engines-per-gpu 2 --mps # ... their kernels side by side (CUDA MPS)
     .venv/bin/python benchmarks/scale.py --tiny --layouts 1gpu,2gpu-fsdp2 --steps 2   # the code path, on CPU
     bash benchmarks/gpu_scale.sh --prompts 256 --deadline 520      # a record in 520 s, whatever finished
 
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from a checkout
 
+from benchmarks.mps import mps_daemon  # noqa: E402
 from benchmarks.run import (  # noqa: E402
     BENCH_ENV,
     MIN_SIDE_S,
@@ -348,6 +351,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines-per-gpu", type=int, default=1, metavar="K",
                    help="K vLLM engine processes beside each learner rank (colocated) or on each generating "
                         "GPU (split; default: 1)")
+    p.add_argument("--mps", action="store_true",
+                   help="each layout under a CUDA MPS daemon of its own (benchmarks/mps.py): engines sharing a "
+                        "GPU run their kernels side by side")
     p.add_argument("--in-turn", action="store_true", help="one layout at a time, even where GPUs are free")
     p.add_argument("--no-pin", action="store_true",
                    help="layouts at the same time keep every host core (default: each on its GPUs' share)")
@@ -465,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = {n: layout_overrides(LAYOUTS[n], on_gpu=bool(gpus), prompts=prompts[n],
                                 engines_per_gpu=args.engines_per_gpu) for n in names}
     notes += args.note
+    if args.mps:
+        if not gpus:
+            raise SystemExit("scale.py: --mps needs CUDA GPUs (MPS shares a GPU between processes)")
+        notes.append("CUDA MPS: a control daemon per layout, on its GPUs")
     if args.engines_per_gpu > 1:
         notes.append(f"{args.engines_per_gpu} engines beside each learner rank (colocated) or on each generating "
                      f"GPU (split: cluster.engines_per_gpu={args.engines_per_gpu})")
@@ -492,9 +502,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(name: str, devices: list[str], pin: bool, timeout: float) -> dict[str, Any]:
         layout_env = side_env(env, devices, pin=pin) if gpus else env
-        return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
-                          prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
-                          prompts=prompts[name])
+        with mps_daemon(layout_env) if args.mps else nullcontext(layout_env) as layout_env:
+            return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
+                              prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
+                              prompts=prompts[name])
 
     sides = run_waves(schedule, run, args, end, tag="scale")
     devices = {n: g for wave in schedule for n, g in wave.items()}
