@@ -50,7 +50,6 @@ from rlhf.rules import (
     engines_per_device,
     engines_sleep,
     holds_reference_model,
-    reward_gpus,
 )
 
 GENERATORS = {"vllm": "actors.vllm_generator:VLLMGenerator", "hf": "actors.hf_generator:HFGenerator"}
@@ -266,7 +265,7 @@ def build_cluster(cfg: RunConfig, model_path: str) -> RayCluster:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     device = detect()
-    engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0) - reward_gpus(cfg))
+    engines = engine_count(cfg, device.kind, ray.cluster_resources().get("GPU", 0.0))
     layout = plan_layout(cfg, device.kind, engines)
     pg = _placement_group(cfg.cluster, layout)
     print(f"cluster: {cfg.cluster.placement}, {engines} engine(s) x TP {cfg.cluster.generator_tp}, "

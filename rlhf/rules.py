@@ -24,11 +24,12 @@ from rlhf.errors import ConfigError
 
 def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
     """The run's vLLM engines: `cluster.generator_engines`, or what `auto` means here, checked
-    against the GPUs the run may use (`cluster_gpus`; ignored on CPU). 0 for DPO, which generates
+    against the Ray cluster's GPUs (`cluster_gpus`; ignored on CPU). 0 for DPO, which generates
     nothing. Raises ConfigError (one line) when the run cannot fit.
 
     `auto`: on CPU 1 (more engines would share the same cores); colocated, one per learner GPU;
-    split, the GPUs the learners leave free over `cluster.generator_tp`. GRPO never gets more
+    split, `engines_per_gpu` on each GPU the learners and a reward worker's own GPU (`reward_gpus`)
+    leave free, over `cluster.generator_tp`. GRPO never gets more
     engines than a step has prompt groups, and colocated the count divides the learner ranks (each
     engine sits beside the same number of ranks)."""
     if cfg.algorithm == "dpo":
@@ -41,12 +42,14 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
         elif cl.placement == "colocated":
             engines = ranks
         else:
-            free = int(cluster_gpus) - ranks
+            scorer = reward_gpus(cfg)
+            free = int(cluster_gpus) - ranks - scorer
             if free < tp or free % tp:
+                less = f"learner.num_ranks={ranks}" + (" and the reward worker's GPU" if scorer else "")
                 raise ConfigError(
-                    f"cluster.generator_engines=auto: the Ray cluster's {cluster_gpus:g} GPUs less learner.num_ranks="
-                    f"{ranks} leave {free}, not a positive multiple of cluster.generator_tp={tp}; set "
-                    f"cluster.generator_engines or learner.num_ranks")
+                    f"cluster.generator_engines=auto: the Ray cluster's {cluster_gpus:g} GPUs less {less} leave "
+                    f"{free}, not a positive multiple of cluster.generator_tp={tp}; set cluster.generator_engines "
+                    f"or learner.num_ranks")
             engines = free // tp * cl.engines_per_gpu
         engines = min(engines, cfg.grpo.prompts_per_step)
         while cl.placement == "colocated" and ranks % engines:
@@ -58,6 +61,7 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
                 f"the run needs {need} GPUs (learner.num_ranks={ranks}"
                 + (f" + {engine_gpus(cfg, engines)} for {engines} engine(s) (cluster.generator_tp={tp}, "
                    f"cluster.engines_per_gpu={cl.engines_per_gpu})" if cl.placement == "split" else "")
+                + (f" + {reward_gpus(cfg)} for the reward worker" if reward_gpus(cfg) else "")
                 + f") but the Ray cluster has {cluster_gpus:g}")
     return engines
 

@@ -199,7 +199,7 @@ def test_bad_reward_placement_and_judges_are_one_line_errors(overrides, message)
 
 def test_the_reward_worker_takes_a_share_like_the_engines(rm_path):
     from actors.cluster import plan_layout
-    from rlhf.rules import reward_gpus, run_gpus
+    from rlhf.rules import engine_count, reward_gpus, run_gpus
 
     rm = [f"reward.functions=[{{model: {rm_path}}}]", "reward.model_device=gpu"]
     colocated = plan_layout(load_config(None, [*rm, "learner.num_ranks=2"]), "cuda", 2)
@@ -209,6 +209,14 @@ def test_the_reward_worker_takes_a_share_like_the_engines(rm_path):
     split = plan_layout(split_cfg, "cuda", 1)
     assert split.bundles == [{"GPU": 1.0}] * 4 and split.reward_bundle == 3 and split.reward_share == {"GPU": 1.0}
     assert reward_gpus(split_cfg) == 1 and run_gpus(split_cfg, 1) == 4  # 2 ranks, 1 engine, the reward worker
+    # `auto` on the Ray cluster's 4 GPUs: the one the learners and the reward worker leave free (this
+    # run once failed at launch: the worker's GPU was taken off the cluster's and then asked for again)
+    assert engine_count(split_cfg, "cuda", 4) == 1
+    with pytest.raises(ConfigError, match="less learner.num_ranks=2 and the reward worker's GPU leave 0"):
+        engine_count(split_cfg, "cuda", 3)
+    with pytest.raises(ConfigError, match=r"needs 5 GPUs \(.* \+ 1 for the reward worker\) but the Ray cluster has 4"):
+        engine_count(load_config(None, [*rm, "cluster.placement=split", "learner.num_ranks=2",
+                                         "cluster.generator_engines=2"]), "cuda", 4)
     on_cpu = load_config(None, [f"reward.functions=[{{model: {rm_path}}}]"])  # reward.model_device=cpu
     assert plan_layout(on_cpu, "cuda", 1).reward_bundle is None and reward_gpus(on_cpu) == 0
     assert plan_layout(load_config(None, rm), "cpu", 1).reward_share == {"CPU": pytest.approx(0.01)}
