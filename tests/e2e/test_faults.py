@@ -141,6 +141,10 @@ class Sleeper:
         time.sleep(seconds)
         return seconds
 
+    def nap_until(self, end: float) -> float:
+        time.sleep(max(0.0, end - time.time()))
+        return end
+
 
 @pytest.mark.ray
 def test_a_straggler_that_hangs_is_named_after_the_timeout():
@@ -152,8 +156,9 @@ def test_a_straggler_that_hangs_is_named_after_the_timeout():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actors = [ray.remote(Sleeper).options(num_cpus=0).remote() for _ in range(2)]
-        assert ag.gather([a.nap.remote(0.0) for a in actors], ["rank 0", "rank 1"], "warm-up") == [0.0, 0.0]
+        # two pairs, each actor up before the 2 s limit is set (a worker process can take seconds to start)
+        actors, fresh = ([ray.remote(Sleeper).options(num_cpus=0).remote() for _ in range(2)] for _ in range(2))
+        assert ag.gather([a.nap.remote(0.0) for a in actors + fresh], list("abcd"), "warm-up") == [0.0] * 4
         old = ag.TIMEOUT_S
         ag.set_timeout(2.0)
         try:
@@ -161,9 +166,10 @@ def test_a_straggler_that_hangs_is_named_after_the_timeout():
                                                       r"the other actors \(hung; cluster.timeout_s\)$"):
                 ag.gather([actors[0].nap.remote(0.1), actors[1].nap.remote(3600)], ["learner rank 0", "learner rank 1"],
                           "train_step")  # unlimited, actor 1 naps for an hour
-            # a long call is no fault while every actor is still on it (a fresh pair: actor 1 still naps)
-            fresh = [ray.remote(Sleeper).options(num_cpus=0).remote() for _ in range(2)]
-            assert ag.gather([a.nap.remote(3.0) for a in fresh], ["a", "b"], "long") == [3.0, 3.0]
+            # A long call is no fault while every actor is still on it (the fresh pair: actor 1 still naps).
+            # Both answer at one wall-clock time, 3 s on: however late either call starts, they end together.
+            end = time.time() + 3.0
+            assert ag.gather([a.nap_until.remote(end) for a in fresh], ["a", "b"], "long") == [end, end]
         finally:
             ag.set_timeout(old)
     finally:
