@@ -139,10 +139,21 @@ def run_call(call: Call, deadline_s: float, work: Path, run: tuple[str, ...] = (
     return statuses
 
 
-def merged_results(call: Call, work: Path) -> list[dict]:
-    """Every part's per-test results (conftest.py's results.json), in the call's order of parts."""
-    files = [work / part_name(p) / "results.json" for wave in call for lane in wave for p in lane.parts]
-    return [r for f in files if f.exists() for r in json.loads(f.read_text())]
+def merged_results(call: Call, work: Path, statuses: dict[str, int]) -> list[dict]:
+    """Every part's per-test results (conftest.py's results.json), in the call's order of parts; a
+    part that left none is one entry of its own ("not run": not started, "failed": its run.sh ended
+    before pytest wrote any), so that no part goes missing from the record unsaid."""
+    merged = []
+    for name in (part_name(p) for wave in call for lane in wave for p in lane.parts):
+        results = work / name / "results.json"
+        if results.exists():
+            merged += json.loads(results.read_text())
+            continue
+        status = statuses.get(name, -1)
+        merged.append({"test": name, "outcome": "not run" if status < 0 else "failed", "seconds": 0.0, "figures": {},
+                       "error": "not started: too little of the call's time left" if status < 0
+                       else f"run.sh exited {status} without results (see {name}.out)"})
+    return merged
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                    check=True)  # once, before the lanes would race to build it
     call = calls[args.call - 1]
     statuses = run_call(call, args.deadline - (time.time() - start), work)
-    (work / "results.json").write_text(json.dumps(merged_results(call, work), indent=1))
+    (work / "results.json").write_text(json.dumps(merged_results(call, work, statuses), indent=1))
     subprocess.run(["bash", "-c", setup + '$PY tests/gpu/report.py "$@"', "report", str(work / "results.json"),
                     "--record", str(work / "record.jsonl"),
                     "--command", f"python3 tests/gpu/schedule.py --gpus {gpus} --call {args.call}"],

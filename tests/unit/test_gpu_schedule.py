@@ -105,7 +105,10 @@ def test_a_waves_lanes_run_together_and_a_lanes_parts_in_turn(tmp_path):
     assert order.index(("start", "c")) > max(order.index(("end", n)) for n in ("a2", "b2"))  # waves in turn
     assert all(0 < e["deadline"] <= 300 - REPORT_S for e in started.values())
     assert started["c"]["deadline"] <= started["a1"]["deadline"]
-    assert [r["test"] for r in merged_results(call, work)] == ["a1", "a2", "b1", "b2", "c"]
+    assert [r["test"] for r in merged_results(call, work, statuses)] == ["a1", "a2", "b1", "b2", "c"]
+    (work / "b2" / "results.json").unlink()  # as if its run.sh had died before pytest wrote anything
+    crashed = merged_results(call, work, statuses)[3]
+    assert crashed["test"] == "b2" and crashed["outcome"] == "failed" and "exited 3" in crashed["error"]
 
 
 def test_a_part_with_under_a_minute_left_is_not_started(tmp_path):
@@ -114,3 +117,5 @@ def test_a_part_with_under_a_minute_left_is_not_started(tmp_path):
     statuses = run_call(((Lane("0", (("a2",),)),),), REPORT_S + 30, tmp_path / "call",
                         run=(sys.executable, str(fake), str(tmp_path / "call")))
     assert statuses == {"a2": -1} and not (tmp_path / "call" / "log.jsonl").exists()
+    [entry] = merged_results(((Lane("0", (("a2",),)),),), tmp_path / "call", statuses)
+    assert (entry["test"], entry["outcome"]) == ("a2", "not run")  # in the record, not missing from it
