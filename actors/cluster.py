@@ -47,6 +47,7 @@ from rlhf.rules import (
     device_share,
     engine_count,
     engine_generation,
+    engine_gpus,
     engines_per_device,
     engines_sleep,
     holds_reference_model,
@@ -114,7 +115,7 @@ def plan_layout(cfg: RunConfig, device_kind: str, engines: int = 0) -> Layout:
             reward_share={unit: one * 0.1} if served else {},
         )
     k = engines_per_device(cfg, engines)  # engines sharing a generating device (then TP 1)
-    devices = -(-engines // k)
+    devices = engine_gpus(cfg, engines) // tp
     return Layout(
         bundles=[{unit: one * tp} for _ in range(devices)] + [{unit: one} for _ in range(n + served)],
         engine_bundles=[e // k for e in range(engines)],

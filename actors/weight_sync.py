@@ -189,8 +189,8 @@ def choose_transport(cfg: RunConfig, device_kind: str, rendezvous: Callable[[], 
         if cfg.cluster.placement != "colocated":
             raise ValueError("cluster.weight_sync='cuda_ipc' needs placement 'colocated' (one shared GPU)")
         return CudaIpcTransport(dtype=dtype)
-    addresses = {rendezvous() for _ in range(cfg.cluster.engines_per_gpu)}
-    while len(addresses) < cfg.cluster.engines_per_gpu:  # a port handed out twice: ask again
+    addresses: set[tuple[str, int]] = set()  # one group per engine on a GPU, each on a port of its own
+    while len(addresses) < cfg.cluster.engines_per_gpu:  # a port handed out twice is asked for again
         addresses.add(rendezvous())
     (master_address,) = {a for a, _ in addresses}
     return NcclTransport(dtype=dtype, master_address=master_address,

@@ -63,7 +63,8 @@ def build_random_model(name: str, out_root: str | Path, *, tokenizer: str | Path
     tokenizer = Path(tokenizer)
     if not tokenizer.exists():
         raise FileNotFoundError(f"{name} needs the Qwen2 tokenizer: pass --tokenizer (a folder with tokenizer.json, "
-                                f"or a .tar.xz of one) or `python -m scripts.assets fetch qwen2-tokenizer`; {tokenizer} does not exist")
+                                f"or a .tar.xz of one) or `python -m scripts.assets fetch qwen2-tokenizer`; "
+                                f"{tokenizer} does not exist")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if tokenizer.is_dir():

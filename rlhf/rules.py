@@ -35,6 +35,7 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
     if cfg.algorithm == "dpo":
         return 0
     cl, ranks, tp = cfg.cluster, cfg.learner.num_ranks, cfg.cluster.generator_tp
+    scorer = reward_gpus(cfg)  # a reward worker's GPU of its own (split), 0 or 1
     engines = cl.generator_engines
     if engines == "auto":
         if device_kind == "cpu":
@@ -42,7 +43,6 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
         elif cl.placement == "colocated":
             engines = ranks
         else:
-            scorer = reward_gpus(cfg)
             free = int(cluster_gpus) - ranks - scorer
             if free < tp or free % tp:
                 less = f"learner.num_ranks={ranks}" + (" and the reward worker's GPU" if scorer else "")
@@ -61,7 +61,7 @@ def engine_count(cfg: RunConfig, device_kind: str, cluster_gpus: float) -> int:
                 f"the run needs {need} GPUs (learner.num_ranks={ranks}"
                 + (f" + {engine_gpus(cfg, engines)} for {engines} engine(s) (cluster.generator_tp={tp}, "
                    f"cluster.engines_per_gpu={cl.engines_per_gpu})" if cl.placement == "split" else "")
-                + (f" + {reward_gpus(cfg)} for the reward worker" if reward_gpus(cfg) else "")
+                + (f" + {scorer} for the reward worker" if scorer else "")
                 + f") but the Ray cluster has {cluster_gpus:g}")
     return engines
 
@@ -91,7 +91,7 @@ def engine_gpus(cfg: RunConfig, engines: int) -> int:
     `engines_per_device` of them; colocated none (they share the learners')."""
     if cfg.cluster.placement != "split":
         return 0
-    return -(-engines // cfg.cluster.engines_per_gpu) * cfg.cluster.generator_tp
+    return -(-engines // engines_per_device(cfg, engines)) * cfg.cluster.generator_tp
 
 
 def engine_generation(generation: GenerationConfig, per_device: int) -> GenerationConfig:

@@ -108,7 +108,7 @@ def part_name(part: Part) -> str:
 
 def run_lane(lane: Lane, deadline: float, work: Path, run: tuple[str, ...], statuses: dict[str, int]) -> None:
     """The lane's parts in turn on its GPUs, each under what is left of the call's deadline; a part
-    with less than a minute left is not started (its tests are missing from the record)."""
+    with less than a minute left is not started (status -1: `merged_results` says so in the record)."""
     for part in lane.parts:
         name, left = part_name(part), deadline - time.time() - REPORT_S
         if left < 60:
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                     "--command", f"python3 tests/gpu/schedule.py --gpus {gpus} --call {args.call}"],
                    cwd=REPO, check=True)
     return 0 if all(s == 0 for s in statuses.values()) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
