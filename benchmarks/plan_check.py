@@ -90,6 +90,7 @@ from rlhf.planner.shapes import GPU_KINDS, gpu_kind, gpu_kind_of_device, model_s
 
 RECIPE = "configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml"
 WORKLOAD = replace(WORKLOADS["grpo-gpu-scale"], name="plan-check", recipe=RECIPE, steps=3, micro_batch_size=0,
+                   gpu_extra=(),  # the recipe's own (eager) learner: each configuration names its kernels
                    description="grpo-gpu-scale's work under memory.plan=auto: Qwen2.5-shaped random weights, "
                                "64 prompts x 8 samples, 256 tokens (ignore_eos), one run per configuration")
 TOLERANCE = 0.10

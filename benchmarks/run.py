@@ -314,6 +314,12 @@ def log_tail(path: str, lines: int = 15) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
 
+def failure_lines(side: str, error: str, lines: int = 12) -> str:
+    """The last `lines` of a failed side's error (its log's tail, or the runner's traceback), each
+    prefixed with the side: printed as it fails, so a call stopped before the record still says why."""
+    return "\n".join(f"[bench] {side} | {line}" for line in error.strip().splitlines()[-lines:])
+
+
 def run_ours(w: Workload, overrides: list[str], side_dir: Path, env: dict[str, str], timeout: float
              ) -> dict[str, Any]:
     script = "scripts/train_grpo.py" if w.algorithm == "grpo" else "scripts/train_dpo.py"
@@ -342,19 +348,27 @@ def run_script_side(name: str, script: str, w: Workload, overrides: list[str], s
 def run_trl_tuned(name: str, script: str, w: Workload, overrides: list[str], side_dir: Path, env: dict[str, str],
                   timeout: float, extra: list[str], *, gpus: list[str], fixed: int) -> dict[str, Any]:
     """The tuned TRL side: `trl_batch_candidates` for its GPU's memory, largest first, the next one
-    only after an out-of-memory; the record of the try that ran, with every try in `tries`."""
+    only after an out-of-memory and while MIN_SIDE_S of the side's `timeout` are left (the tries
+    share it); the record of the try that ran, with every try in `tries`."""
     total = gpu_query("memory.total")
     gpu_gib = min((total[g] for g in gpus if g in total), default=None)
-    tries = []
+    tries, record, end = [], {}, time.monotonic() + timeout  # the tries share the side's time
     for batch in trl_batch_candidates(w, gpu_gib, fixed):
+        left = end - time.monotonic()
+        if tries and left < MIN_SIDE_S:
+            why = f"per-device batch {batch} not tried: {left:.0f} s of the side's {timeout:.0f} s left"
+            print(f"[bench] {name}: {why}", flush=True)
+            record = {**record, "error": f"{record.get('error') or ''}\n{why}".strip()}
+            break
         print(f"[bench] {name}: per-device batch {batch} (log: {side_dir / f'batch{batch}' / 'log.txt'})", flush=True)
         record = run_script_side(name, script, w, trl_tuned_overrides(w, overrides, batch),
-                                 side_dir / f"batch{batch}", env, timeout, extra)
+                                 side_dir / f"batch{batch}", env, left, extra)
         tries.append({"per_device_batch": batch, "ok": bool(record.get("ok")), "oom": out_of_memory(record),
                       "wall_s": record["wall_s"]})
         if not tries[-1]["oom"]:
             break
-    return {**record, "per_device_batch": batch, "tries": tries, "overrides": trl_tuned_overrides(w, overrides, batch)}
+    ran = tries[-1]["per_device_batch"]
+    return {**record, "per_device_batch": ran, "tries": tries, "overrides": trl_tuned_overrides(w, overrides, ran)}
 
 
 def tuned_from_untuned(results: dict[str, dict[str, Any]], w: Workload
@@ -500,7 +514,10 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
              else run_script_side(side, script, w, overrides, side_dir, env, timeout, extra))
     if r.get("ok"):  # a failed side keeps its Ray's own logs (its record names the folder)
         shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
-    print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s", flush=True)
+    stopped = f" (stopped at its {timeout:.0f} s limit)" if r.get("timed_out") else ""
+    print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s{stopped}", flush=True)
+    if not r.get("ok") and r.get("error"):  # why, where the call's output is all that comes back
+        print(failure_lines(side, r["error"]), flush=True)
     return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"],
             "timeout_s": timeout}
 

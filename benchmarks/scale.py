@@ -99,17 +99,21 @@ class Layout:
         return "cluster.placement=colocated" in self.overrides
 
 
+def _zero(zero_stage: int) -> tuple[str, ...]:
+    """A DeepSpeed layout's keys: its stage, and no FSDP2-only cast (`cast_once_per_step`, which the
+    workload's `LEARNER_KERNELS` turn on and config validation refuses with DeepSpeed)."""
+    return (f"learner.zero_stage={zero_stage}", "learner.cast_once_per_step=false") if zero_stage else ()
+
+
 def _colocated(gpus: int, backend: str = "fsdp2", zero_stage: int = 0) -> Layout:
     """An engine and a learner rank on every GPU."""
-    zero = (f"learner.zero_stage={zero_stage}",) if zero_stage else ()
     return Layout(gpus, gpus, ("cluster.placement=colocated", f"learner.num_ranks={gpus}",
-                               f"learner.backend={backend}", *zero))
+                               f"learner.backend={backend}", *_zero(zero_stage)))
 
 
 def _split(gpus: int, engines: int, backend: str = "fsdp2", zero_stage: int = 0, staleness: int = 0) -> Layout:
     """`engines` GPUs generate, the others learn; `staleness` > 0: asynchronous GRPO."""
-    extra = (f"learner.zero_stage={zero_stage}",) if zero_stage else ()
-    extra += (f"grpo.max_staleness={staleness}",) if staleness else ()
+    extra = _zero(zero_stage) + ((f"grpo.max_staleness={staleness}",) if staleness else ())
     return Layout(gpus, engines, ("cluster.placement=split", f"cluster.generator_engines={engines}",
                                   f"learner.num_ranks={gpus - engines}", f"learner.backend={backend}", *extra))
 

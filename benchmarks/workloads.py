@@ -76,6 +76,8 @@ class Workload:
     """Fixed-length completions (GPU speed runs on random weights)."""
     extra: tuple[str, ...] = ()
     """More `key=value` overrides of our recipe (reward spec, data sizes...)."""
+    gpu_extra: tuple[str, ...] = ()
+    """Overrides of our recipe on a GPU only (`LEARNER_KERNELS`: GPU kernels), left out by `tiny()`."""
     trl_sides: tuple[str, ...] = ("trl",)
     """TRL configurations to run: `trl` (GRPO: transformers generation), `trl-vllm` (vLLM colocate)."""
     standalone_generation: bool = False
@@ -90,12 +92,19 @@ class Workload:
         to check that everything runs (numbers mean nothing)."""
         return replace(self, name=f"{self.name}-tiny", model="tiny-qwen2", prompts_per_step=4, group_size=4,
                        max_new_tokens=16, max_length=128, steps=3, micro_batch_size=16, device="cpu",
-                       extra=(*self.extra, "generation.enforce_eager=true"),
+                       extra=(*self.extra, "generation.enforce_eager=true"), gpu_extra=(),
                        description=f"tiny random Qwen2 on CPU, the code path of {self.name}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+LEARNER_KERNELS = ("learner.liger=true", "learner.cast_once_per_step=true", "learner.pack_sequences=true",
+                   "learner.attention=varlen", "learner.max_tokens_per_micro_batch=16384",
+                   "learner.head_kernels=fused", "learner.head_keep_logits=true")
+"""The learner kernel keys of our GPU rows: the set measured fastest for the 1.5B shape (the learner
+kernel tables in benchmarks/README.md). Each is off by default in rlhf/config.py; the tuned row
+leaves the token budget to the planner (`tuned_overrides`)."""
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload(
@@ -119,6 +128,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         max_new_tokens=512, steps=5, lr=1e-6, micro_batch_size=16, ignore_eos=True,
         extra=("data.num_train=1024", "data.num_eval=16",
                "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
+        gpu_extra=(*LEARNER_KERNELS, "cluster.generator_engines=2"),  # two engines: the host-bound decode
         trl_sides=("trl-vllm",), standalone_generation=True, device="cuda",
         planned_recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 512 tokens (ignore_eos), "
@@ -130,6 +140,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         max_new_tokens=256, steps=5, lr=1e-6, micro_batch_size=16, ignore_eos=True,
         extra=("data.num_train=1024", "data.num_eval=16",
                "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
+        gpu_extra=LEARNER_KERNELS,  # engines per GPU: scale.py's --engines-per-gpu
         trl_sides=(), device="cuda",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 256 tokens (ignore_eos), "
                     "ours alone on 1, 2, 4 (and 8) GPUs (benchmarks/scale.py: one run per cluster layout)",
@@ -141,7 +152,8 @@ def our_overrides(w: Workload, *, output_dir: str, model_path: str | None = None
     """`key=value` overrides of `w.recipe` that make our run the workload.
 
     `model_path` replaces `w.model` (the runner's folder for REPO_MODELS). `generation.ignore_eos`
-    is only passed when our config has that key (see `ours_supports_ignore_eos`)."""
+    is only passed when our config has that key (see `ours_supports_ignore_eos`); `w.gpu_extra` on
+    a GPU workload only."""
     model = model_path or w.model
     common = [f"model.path={model}", f"seed={w.seed}", f"learner.lr={w.lr}",
               f"learner.micro_batch_size={w.micro_batch_size}", f"output_dir={output_dir}",
@@ -155,7 +167,7 @@ def our_overrides(w: Workload, *, output_dir: str, model_path: str | None = None
     else:
         out = [*common, f"dpo.dataset={w.task}", f"dpo.pairs_per_step={w.prompts_per_step}",
                f"dpo.max_steps={w.steps}", f"dpo.max_length={w.max_length}"]
-    return [*out, *w.extra]
+    return [*out, *(w.gpu_extra if w.device == "cuda" else ()), *w.extra]
 
 
 def ours_supports_ignore_eos() -> bool:

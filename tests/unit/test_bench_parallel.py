@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,9 @@ def test_gpus_needed_follow_the_config(tmp_path):
     base = side_plan(w, "ours", str(tmp_path), str(tmp_path / "model"))[1]
     two = [*base, "learner.num_ranks=2"]
     assert gpus_needed(w, two, "ours") == 2
-    assert gpus_needed(w, [*two, "cluster.placement=split"], "ours") == 3  # `auto` engines count as one
+    split = [*two, "cluster.placement=split"]
+    assert gpus_needed(w, split, "ours") == 4  # grpo-gpu's two engines, then 2 learner ranks
+    assert gpus_needed(w, [*split, "cluster.generator_engines=auto"], "ours") == 3  # `auto` engines count as one
 
 
 def test_visible_gpus_from_cuda_visible_devices():
@@ -325,6 +328,76 @@ def test_a_tuned_trl_side_out_of_memory_above_the_workloads_batch_is_the_untuned
             {"trl-vllm": untuned, "trl-vllm-tuned": other}, [])
     failed_base = {**untuned, "ok": False}
     assert run.tuned_from_untuned({"trl-vllm": failed_base, "trl-vllm-tuned": oom}, w)[1] == []
+
+
+@pytest.mark.parametrize("first_try_s", [100.0, 250.0])
+def test_a_tuned_trl_sides_tries_share_its_time(monkeypatch, tmp_path, capsys, first_try_s):
+    """Batch 64 runs out of memory after `first_try_s` of the side's 300 s (a fake clock): batch 32
+    gets what is left (200 s), or, with 50 s left (under MIN_SIDE_S), is not tried and the record
+    says why. Before, each try had the whole 300 s and a call's deadline passed."""
+    from types import SimpleNamespace
+
+    clock, limits = {"now": 0.0}, []
+    monkeypatch.setattr(run, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
+    monkeypatch.setattr(run, "gpu_query", lambda field: {"0": 139.8})
+
+    def try_batch(name, script, w, overrides, side_dir, env, timeout, extra):
+        limits.append((side_dir.name, timeout))
+        clock["now"] += first_try_s if side_dir.name == "batch64" else 60.0
+        if side_dir.name == "batch64":
+            return {"side": name, "ok": False, "error": "torch.OutOfMemoryError: CUDA out of memory", "wall_s": 1.0}
+        return {"side": name, "ok": True, "steps": [{"step": 0}], "wall_s": 1.0}
+
+    monkeypatch.setattr(run, "run_script_side", try_batch)
+    r = run.run_trl_tuned("trl-vllm-tuned", "s.py", WORKLOADS["grpo-gpu"], [], tmp_path, {}, 300.0, [],
+                          gpus=["0"], fixed=0)
+    if first_try_s == 100.0:
+        assert limits == [("batch64", 300.0), ("batch32", 200.0)] and r["ok"] and r["per_device_batch"] == 32
+    else:
+        assert limits == [("batch64", 300.0)] and not r["ok"] and [t["per_device_batch"] for t in r["tries"]] == [64]
+        assert r["per_device_batch"] == 64 and "learner.micro_batch_size=64" in r["overrides"]  # the try that ran
+        assert r["error"].endswith("per-device batch 32 not tried: 50 s of the side's 300 s left")
+        assert "[bench] trl-vllm-tuned: per-device batch 32 not tried: 50 s" in capsys.readouterr().out
+
+
+def test_a_failed_side_prints_why_as_it_fails(monkeypatch, tmp_path, capsys):
+    """A device call that runs past its limit returns its output and not the record, so a failed side
+    prints the tail of its error as it ends (before: only "FAILED in 203 s")."""
+    w = WORKLOADS["grpo-gpu"].tiny()
+    log = "\n".join(f"line {k}" for k in range(30)) + "\ntorch.OutOfMemoryError: CUDA out of memory."
+    monkeypatch.setattr(run, "run_ours", lambda *a: {"ok": False, "metrics": [], "wall_s": 203.0, "error": log})
+    r = run.run_side(w, "ours-tuned", [], _args(), model_path=None, workdir=tmp_path,
+                     env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    out = capsys.readouterr().out
+    assert not r["ok"] and "[bench] ours-tuned: FAILED in 203 s" in out
+    assert "[bench] ours-tuned | torch.OutOfMemoryError: CUDA out of memory." in out
+    assert "[bench] ours-tuned | line 19" in out and "line 18" not in out  # the last 12 lines
+    monkeypatch.setattr(run, "run_ours", lambda *a: {"ok": False, "metrics": [], "wall_s": 203.0, "error": "x",
+                                                     "timed_out": True})
+    run.run_side(w, "ours-tuned", [], _args(), model_path=None, workdir=tmp_path,
+                 env={"RAY_TMPDIR": str(tmp_path / "ray")}, timeout=200.0)
+    assert "[bench] ours-tuned: FAILED in 203 s (stopped at its 200 s limit)" in capsys.readouterr().out
+
+
+def test_gpu_rows_run_the_learner_kernels_and_the_tiny_variant_does_not(tmp_path):
+    """grpo-gpu and grpo-gpu-scale carry the measured kernel keys (no `--set` needed to reproduce a
+    recorded row); the tuned row keeps them but leaves the token budget to the planner; the CPU
+    variant (`tiny()`) runs none of them."""
+    from benchmarks.workloads import LEARNER_KERNELS, our_overrides
+
+    w = WORKLOADS["grpo-gpu"]
+    plain = our_overrides(w, output_dir="x")
+    assert set(LEARNER_KERNELS) <= set(plain) and "cluster.generator_engines=2" in plain
+    assert set(LEARNER_KERNELS) <= set(our_overrides(WORKLOADS["grpo-gpu-scale"], output_dir="x"))
+    _, tuned = side_plan(w, "ours-tuned", str(tmp_path / "t"), None)
+    assert "learner.liger=true" in tuned and "learner.attention=varlen" in tuned
+    assert not [o for o in tuned if o.startswith("learner.max_tokens_per_micro_batch")]
+    cfg = load_config(w.recipe, plain)
+    assert cfg.learner.liger and cfg.learner.pack_sequences and cfg.learner.max_tokens_per_micro_batch == 16384
+    tiny = our_overrides(w.tiny(), output_dir="x")
+    assert not set(LEARNER_KERNELS) & set(tiny) and not [o for o in tiny if o.startswith("cluster.generator")]
+    assert our_overrides(replace(w, extra=(*w.extra, "learner.liger=false")), output_dir="x")[-1] == (
+        "learner.liger=false")  # --set comes last: it wins
 
 
 def test_a_stopped_side_leaves_nothing_and_its_leader_cleans_up_first(tmp_path):
