@@ -367,10 +367,10 @@ def side_plan(w: Workload, side: str, output_dir: str, model_path: str | None) -
 
 def gpus_needed(w: Workload, overrides: list[str], side: str) -> int:
     """GPUs a side takes: a TRL side one (one process); ours-gen its engine's TP; ours what its
-    config places (`rlhf.rules.run_gpus`, split placement with `auto` engines counted as one). A
-    config that does not load counts one: the side then fails in its own run, with its record."""
+    config places (`rlhf.rules.run_gpus`, split `auto` engines on one GPU). A config that does not
+    load counts one: the side then fails in its own run, with its record."""
     from rlhf.config import load_config
-    from rlhf.rules import run_gpus
+    from rlhf.rules import engines_without_cluster, run_gpus
 
     if side.startswith("trl"):
         return 1
@@ -380,8 +380,7 @@ def gpus_needed(w: Workload, overrides: list[str], side: str) -> int:
         return 1
     if side == "ours-gen":
         return cfg.cluster.generator_tp
-    engines = cfg.cluster.generator_engines
-    return run_gpus(cfg, 1 if engines == "auto" else engines)
+    return run_gpus(cfg, engines_without_cluster(cfg))
 
 
 def resolved_memory_keys(config: Path) -> dict[str, Any]:

@@ -86,6 +86,15 @@ def engines_per_device(cfg: RunConfig, engines: int) -> int:
     return engines // ranks if engines > ranks else 1
 
 
+def engines_without_cluster(cfg: RunConfig) -> int:
+    """The engines a run is sized with before a cluster is there to count (the planner, a benchmark
+    placing its sides): `cluster.generator_engines`, or for `auto` one GPU's `engines_per_gpu`
+    (split: one generating GPU, every other one the learners'; colocated `engine_count` then sizes
+    `auto` by the learners)."""
+    pinned = cfg.cluster.generator_engines
+    return cfg.cluster.engines_per_gpu if pinned == "auto" else pinned
+
+
 def engine_gpus(cfg: RunConfig, engines: int) -> int:
     """GPUs of their own that `engines` engines take: split, `generator_tp` for every
     `engines_per_device` of them; colocated none (they share the learners')."""

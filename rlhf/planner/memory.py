@@ -46,6 +46,7 @@ from rlhf.rules import (
     engine_count,
     engine_gpus,
     engines_per_device,
+    engines_without_cluster,
     holds_reference_model,
     learner_state,
     reward_gpus,
@@ -159,8 +160,7 @@ def engines(cfg: RunConfig) -> int:
     """vLLM engines of the run on GPUs, by the cluster's own rule (`rlhf.rules.engine_count`) for a
     cluster of the GPUs the run takes: split `auto` then means one generating GPU (the planner gives
     every other GPU to the learners, `_choices`)."""
-    pinned = cfg.cluster.generator_engines
-    return engine_count(cfg, "cuda", run_gpus(cfg, cfg.cluster.engines_per_gpu if pinned == "auto" else pinned))
+    return engine_count(cfg, "cuda", run_gpus(cfg, engines_without_cluster(cfg)))
 
 
 def breakdown(cfg: RunConfig, shape: ModelShape, gpu: GpuKind) -> Breakdown:
@@ -318,8 +318,7 @@ def _choices(cfg: RunConfig, pinned: set[str], gpus: int) -> list[dict[str, Any]
         free -= {"learner.micro_batch_size", "learner.max_tokens_per_micro_batch"}
     ranks = [cfg.learner.num_ranks]
     if gpus and "learner.num_ranks" in free:  # split: what one engine (or the pinned engines) leave free
-        pinned = cfg.cluster.generator_engines
-        own = engine_gpus(cfg, cfg.cluster.engines_per_gpu if pinned == "auto" else pinned)
+        own = engine_gpus(cfg, engines_without_cluster(cfg))
         ranks = [max(1, gpus - own - reward_gpus(cfg)) if cfg.cluster.placement == "split" else gpus]
     options: dict[str, list[Any]] = {
         "learner.num_ranks": ranks,

@@ -122,14 +122,15 @@ def test_split_engines_sharing_a_gpu_take_one_gpu_per_k():
     """`cluster.engines_per_gpu=K` (split): K engines on each generating GPU; `auto` fills the GPUs the
     learners leave free with K engines each; the GPU count a run takes counts GPUs, not engines."""
     from rlhf.planner.memory import engines
-    from rlhf.rules import engine_count, engine_gpus, run_gpus
+    from rlhf.rules import engine_count, engine_gpus, engines_without_cluster, run_gpus
 
     two = _cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.engines_per_gpu=2")
     assert engine_count(two, "cuda", 4) == 2 and engine_gpus(two, 2) == 1 and run_gpus(two, 2) == 4
     assert engines(two) == 2  # the planner's one generating GPU
+    assert engines_without_cluster(two) == 2 and engines_without_cluster(_cfg("cluster.placement=split")) == 1
     pinned = _cfg("cluster.placement=split", "learner.num_ranks=2", "cluster.generator_engines=4",
                   "cluster.engines_per_gpu=2")
-    assert engine_count(pinned, "cuda", 4) == 4 and run_gpus(pinned, 4) == 4
+    assert engine_count(pinned, "cuda", 4) == 4 == engines_without_cluster(pinned) and run_gpus(pinned, 4) == 4
     with pytest.raises(ConfigError, match=r"needs 5 GPUs \(learner.num_ranks=3 \+ 2 for 4 engine"):
         engine_count(_cfg("cluster.placement=split", "learner.num_ranks=3", "cluster.generator_engines=4",
                           "cluster.engines_per_gpu=2"), "cuda", 4)
