@@ -178,10 +178,11 @@ def ours_supports_ignore_eos() -> bool:
 # ---------------------------------------------------------------------------------------------
 # The tuned row: ours under the memory planner, TRL at the largest per-device batch that fits
 
-TRL_START_BATCH: tuple[tuple[float, int], ...] = ((120.0, 64), (70.0, 32))
+TRL_START_BATCH: tuple[tuple[float, int], ...] = ((70.0, 32),)
 """(GPU memory GiB at least, first per-device batch tried) for the tuned TRL side: one step above
-the batch grpo-gpu's TRL side is known to fit (16 on an 80 GiB H100: the grpo-gpu results in
-benchmarks/README.md). Smaller GPUs and CPU start at the workload's micro-batch."""
+the batch grpo-gpu's TRL side is known to fit on an 80 GiB H100 (16: the grpo-gpu results in
+benchmarks/README.md); 32 on an H200 too, where 64 ran out of memory (2026-11-29). Smaller GPUs
+and CPU start at the workload's micro-batch."""
 
 
 def trl_batch(w: Workload) -> tuple[int, int]:

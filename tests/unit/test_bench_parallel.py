@@ -212,7 +212,7 @@ def test_tuned_sides_keep_the_samples_per_step(tmp_path):
 def test_trl_batch_rule_starts_by_gpu_memory_and_halves():
     w = WORKLOADS["grpo-gpu"]  # 512 completions a step, micro-batch 16
     assert trl_batch_candidates(w, 79.2) == [32, 16, 8, 4, 2, 1]
-    assert trl_batch_candidates(w, 139.8) == [64, 32, 16, 8, 4, 2, 1]
+    assert trl_batch_candidates(w, 139.8) == [32, 16, 8, 4, 2, 1]  # 64 ran out of memory on an H200
     assert trl_batch_candidates(w, None) == [16, 8, 4, 2, 1]  # CPU, or an unknown GPU
     assert trl_batch_candidates(w, 79.2, fixed=128) == [128]
     with pytest.raises(ValueError, match="does not divide"):
@@ -332,7 +332,7 @@ def test_a_tuned_trl_side_out_of_memory_above_the_workloads_batch_is_the_untuned
 
 @pytest.mark.parametrize("first_try_s", [100.0, 250.0])
 def test_a_tuned_trl_sides_tries_share_its_time(monkeypatch, tmp_path, capsys, first_try_s):
-    """Batch 64 runs out of memory after `first_try_s` of the side's 300 s (a fake clock): batch 32
+    """Batch 32 runs out of memory after `first_try_s` of the side's 300 s (a fake clock): batch 16
     gets what is left (200 s), or, with 50 s left (under MIN_SIDE_S), is not tried and the record
     says why. Before, each try had the whole 300 s and a call's deadline passed."""
     from types import SimpleNamespace
@@ -343,8 +343,8 @@ def test_a_tuned_trl_sides_tries_share_its_time(monkeypatch, tmp_path, capsys, f
 
     def try_batch(name, script, w, overrides, side_dir, env, timeout, extra):
         limits.append((side_dir.name, timeout))
-        clock["now"] += first_try_s if side_dir.name == "batch64" else 60.0
-        if side_dir.name == "batch64":
+        clock["now"] += first_try_s if side_dir.name == "batch32" else 60.0
+        if side_dir.name == "batch32":
             return {"side": name, "ok": False, "error": "torch.OutOfMemoryError: CUDA out of memory", "wall_s": 1.0}
         return {"side": name, "ok": True, "steps": [{"step": 0}], "wall_s": 1.0}
 
@@ -352,12 +352,12 @@ def test_a_tuned_trl_sides_tries_share_its_time(monkeypatch, tmp_path, capsys, f
     r = run.run_trl_tuned("trl-vllm-tuned", "s.py", WORKLOADS["grpo-gpu"], [], tmp_path, {}, 300.0, [],
                           gpus=["0"], fixed=0)
     if first_try_s == 100.0:
-        assert limits == [("batch64", 300.0), ("batch32", 200.0)] and r["ok"] and r["per_device_batch"] == 32
+        assert limits == [("batch32", 300.0), ("batch16", 200.0)] and r["ok"] and r["per_device_batch"] == 16
     else:
-        assert limits == [("batch64", 300.0)] and not r["ok"] and [t["per_device_batch"] for t in r["tries"]] == [64]
-        assert r["per_device_batch"] == 64 and "learner.micro_batch_size=64" in r["overrides"]  # the try that ran
-        assert r["error"].endswith("per-device batch 32 not tried: 50 s of the side's 300 s left")
-        assert "[bench] trl-vllm-tuned: per-device batch 32 not tried: 50 s" in capsys.readouterr().out
+        assert limits == [("batch32", 300.0)] and not r["ok"] and [t["per_device_batch"] for t in r["tries"]] == [32]
+        assert r["per_device_batch"] == 32 and "learner.micro_batch_size=32" in r["overrides"]  # the try that ran
+        assert r["error"].endswith("per-device batch 16 not tried: 50 s of the side's 300 s left")
+        assert "[bench] trl-vllm-tuned: per-device batch 16 not tried: 50 s" in capsys.readouterr().out
 
 
 def test_a_failed_side_prints_why_as_it_fails(monkeypatch, tmp_path, capsys):
