@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
+import numpy as np
 import torch
 
 from rlhf.types import Batch, PreferenceBatch, PreferencePair, RolloutBatch, TrainBatch
@@ -19,8 +20,14 @@ def pad_sequences(seqs: list[list[int]], prompt_lens: list[int], pad_id: int
     attention_mask = columns < lengths[:, None]
     loss_mask = attention_mask & (columns >= torch.tensor(prompt_lens)[:, None])
     input_ids = torch.full(attention_mask.shape, pad_id, dtype=torch.long)
-    input_ids[attention_mask] = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.long)  # row-major
+    input_ids[attention_mask] = flat_tensor(seqs, np.int64)  # row-major
     return input_ids, attention_mask, loss_mask
+
+
+def flat_tensor(lists: Sequence[Sequence[int | float]], dtype: type[np.generic]) -> torch.Tensor:
+    """The items of `lists` concatenated into one 1-D tensor. numpy reads a long Python list ~4x
+    faster than `torch.tensor` does: a step's 2048 rollouts are ~0.7M token ids and 0.5M log-probs."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(lists), dtype=dtype, count=sum(map(len, lists))))
 
 
 def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: int) -> TrainBatch:
@@ -34,8 +41,7 @@ def rollouts_to_batch(rollouts: RolloutBatch, advantages: torch.Tensor, pad_id: 
     seqs = [p + c.token_ids for p, c in zip(prompts, rollouts.completions)]
     input_ids, attention_mask, loss_mask = pad_sequences(seqs, [len(p) for p in prompts], pad_id)
     sampler_lp = torch.zeros(input_ids.shape, dtype=torch.float32)  # the completions' positions: loss_mask's
-    sampler_lp[loss_mask] = torch.tensor(list(chain.from_iterable(c.logprobs for c in rollouts.completions)),
-                                         dtype=torch.float32)
+    sampler_lp[loss_mask] = flat_tensor([c.logprobs for c in rollouts.completions], np.float32)
     for i, (p, c) in enumerate(zip(prompts, rollouts.completions)):
         if c.mask is not None:  # a multi-turn episode: its model tokens only (rlhf.env.episodes)
             loss_mask[i, len(p) : len(p) + len(c.token_ids)] = torch.tensor(c.mask, dtype=torch.bool)

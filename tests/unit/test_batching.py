@@ -115,3 +115,15 @@ def test_rollouts_to_batch_pads_rows_and_places_the_sampler_logprobs():
                                                [0.0, pytest.approx(-0.1), pytest.approx(-0.2), pytest.approx(-0.3)],
                                                [0.0, -2.0, 0.0, 0.0]]
     assert batch.advantages.dtype == torch.float32 and batch.advantages.tolist() == [1.0, -1.0, 0.5, -0.5]
+    assert batch.input_ids.dtype == torch.long and batch.sampler_logprobs.dtype == torch.float32
+
+
+def test_flat_tensor_concatenates_lists_in_order():
+    import numpy as np
+
+    from rlhf.data.batching import flat_tensor
+
+    ids = flat_tensor([[1, 2], [], [3]], np.int64)
+    assert ids.dtype == torch.long and ids.tolist() == [1, 2, 3]
+    assert flat_tensor([[-0.5], [0.25]], np.float32).tolist() == [-0.5, 0.25]
+    assert flat_tensor([], np.float32).shape == (0,)

@@ -624,3 +624,24 @@ def test_engine_sweep_variants_name_their_engine_count_and_overrides():
             {"variant": "two@2", "engines": 2, "startup_s": 15.0, "median_tok_s": 3000.0,
              "calls": [{"tok_s": 1000.0}, {"tok_s": 3000.0}]}]
     assert table(rows).splitlines()[-1] == "| two@2 | 2 | 15 | 3,000 | 1.50 | 1.0k, 3.0k |"
+
+
+def test_loop_overhead_times_every_function_between_the_loops_phases(capsys):
+    """benchmarks/loop_overhead.py at a tiny shape: one line per function the loop calls between its
+    timed phases, then their total; the stand-in rollouts have the shape asked for. Bad sizes are
+    refused in one line."""
+    from benchmarks.loop_overhead import main, stand_in_rollouts
+
+    r = stand_in_rollouts(3, 2, 5)
+    assert len(r.completions) == 6 and {len(c.token_ids) for c in r.completions} == {5} and r.rewards.shape == (6,)
+    assert main(["--prompts", "3", "--group", "2", "--tokens", "5", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "3 prompts x 2 x 5 tokens, median of 1 (ms):"
+    names = [line.split()[0] for line in lines[1:]]
+    assert names == ["learning_signal", "SignalWatch.check", "grpo_advantages", "rollouts_to_batch",
+                     "filter_overlong", "step_metrics", "total"]
+    values = [float(line.split()[1]) for line in lines[1:]]
+    assert all(v >= 0 for v in values) and values[-1] == pytest.approx(sum(values[:-1]), abs=0.02)
+    with pytest.raises(SystemExit):
+        main(["--repeats", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
