@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from rlhf.algo.advantages import grpo_advantages  # noqa: E402
 from rlhf.config import load_config  # noqa: E402
@@ -56,7 +57,7 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 def measure(prompts: int, group: int, tokens: int, repeats: int) -> dict[str, float]:
     """{function: median ms} of the loop's driver-side work for one step of this shape."""
-    cfg = load_config("configs/grpo_tiny_cpu.yaml", [f"grpo.group_size={group}", f"grpo.prompts_per_step={prompts}",
+    cfg = load_config(REPO / "configs/grpo_tiny_cpu.yaml", [f"grpo.group_size={group}", f"grpo.prompts_per_step={prompts}",
                                                      f"generation.max_new_tokens={tokens}"])
     rollouts = stand_in_rollouts(prompts, group, tokens)
     advantages = grpo_advantages(rollouts.rewards, group, scale_by_std=True)
