@@ -518,8 +518,11 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
     print(f"[bench] {side}: {'ok' if r.get('ok') else 'FAILED'} in {r['wall_s']:.0f} s{stopped}", flush=True)
     if not r.get("ok") and r.get("error"):  # why, where the call's output is all that comes back
         print(failure_lines(side, r["error"]), flush=True)
-    return {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"],
-            "timeout_s": timeout}
+    record = {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"],
+              "timeout_s": timeout}
+    if getattr(args, "results", None):
+        keep_side(REPO / args.results / f"{w.name}.jsonl", overrides, record)
+    return record
 
 
 def failed_side(name: str, gpus: list[str], error: str) -> dict[str, Any]:
@@ -591,13 +594,34 @@ def run_sides(w: Workload, sides: list[str], args: argparse.Namespace, *, model_
     return results, first, {"concurrent": any(len(wave) > 1 for wave in plan), "waves": plan}
 
 
+def sides_path(results: Path) -> Path:
+    """Where each side's record goes as the side ends (`keep_side`): `<workload>.sides.jsonl` beside
+    the results file."""
+    return results.with_name(results.name.removesuffix(".jsonl") + ".sides.jsonl")
+
+
+def keep_side(results: Path, overrides: list[str], record: dict[str, Any]) -> None:
+    """Append a finished side's record to `sides_path(results)` in a record of its own (time, commit,
+    machine, versions, overrides), so a runner stopped from outside before its record (a device call
+    past its limit) still leaves the sides it finished, and `--combine` finds them."""
+    path = sides_path(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    one = {"time": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "git": git_info(),
+           "machine": machine_info(), "versions": versions(), "overrides": overrides,
+           "sides": {record["side"]: record}}
+    with path.open("a") as f:
+        f.write(json.dumps(one, default=str) + "\n")
+
+
 def combine_latest(path: Path, sides: list[str]
                    ) -> tuple[dict[str, dict[str, Any]], list[str], list[str], dict[str, Any]]:
-    """`latest_side_records` of a results file (for sides run by separate invocations, e.g. under a
-    per-command time limit)."""
-    if not path.is_file():
+    """`latest_side_records` of a results file and its sides file (`keep_side`), newest last by
+    time (for sides run by separate invocations, e.g. under a per-command time limit)."""
+    found = [p for p in (path, sides_path(path)) if p.is_file()]
+    if not found:
         raise SystemExit(f"--combine: {path} does not exist")
-    return latest_side_records(read_jsonl(path), sides)
+    records = sorted((r for p in found for r in read_jsonl(p)), key=lambda r: r.get("time", ""))
+    return latest_side_records(records, sides)
 
 
 def report(record: dict[str, Any], path: Path) -> None:

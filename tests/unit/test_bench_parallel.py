@@ -379,6 +379,30 @@ def test_a_failed_side_prints_why_as_it_fails(monkeypatch, tmp_path, capsys):
     assert "[bench] ours-tuned: FAILED in 203 s (stopped at its 200 s limit)" in capsys.readouterr().out
 
 
+def test_a_side_is_kept_as_it_ends_and_combine_finds_it(monkeypatch, tmp_path):
+    """Each finished side goes to `<workload>.sides.jsonl` at once (a device call stopped before the
+    run's record keeps it); `--combine` reads that file beside the results file, newest by time."""
+    w = WORKLOADS["grpo-gpu"].tiny()
+    metrics = [{"step": k, "timing/step_s": 2.0, "response_len/mean": 16.0, "reward/mean": 0.5} for k in range(3)]
+    monkeypatch.setattr(run, "run_ours", lambda *a: {"ok": True, "metrics": metrics, "wall_s": 1.0})
+    monkeypatch.setattr(run, "step_prompt_tokens", lambda w, overrides: [100] * w.steps)
+    results = tmp_path / "res"
+    r = run.run_side(w, "ours", [], _args(results=str(results)), model_path=None, workdir=tmp_path,
+                     env={"RAY_TMPDIR": str(tmp_path / "ray")})
+    kept = [json.loads(line) for line in (results / f"{w.name}.sides.jsonl").read_text().splitlines()]
+    assert len(kept) == 1 and kept[0]["sides"]["ours"]["steps"] == r["steps"] and kept[0]["overrides"] == r["overrides"]
+    assert kept[0]["git"]["commit"] and kept[0]["time"]
+    path = results / f"{w.name}.jsonl"
+    older = {**kept[0], "time": "2000-01-01T00:00:00+00:00", "sides": {"ours": {**r, "steps": [{"step": 9}]}}}
+    path.write_text(json.dumps(older) + "\n")
+    found, overrides, notes, _ = run.combine_latest(path, ["ours"])
+    assert found["ours"]["steps"] == r["steps"] and overrides == r["overrides"] and len(notes) == 1
+    (results / f"{w.name}.sides.jsonl").unlink()
+    assert run.combine_latest(path, ["ours"])[0]["ours"]["steps"] == [{"step": 9}]
+    with pytest.raises(SystemExit, match="does not exist"):
+        run.combine_latest(tmp_path / "none.jsonl", ["ours"])
+
+
 def test_gpu_rows_run_the_learner_kernels_and_the_tiny_variant_does_not(tmp_path):
     """grpo-gpu and grpo-gpu-scale carry the measured kernel keys (no `--set` needed to reproduce a
     recorded row); the tuned row keeps them but leaves the token budget to the planner; the CPU
