@@ -55,7 +55,9 @@ from benchmarks.run import (  # noqa: E402
     BENCH_ENV,
     MIN_SIDE_S,
     PYTHON,
+    failure_lines,
     git_info,
+    keep_side,
     machine_info,
     prepare_model,
     run_ours,
@@ -439,6 +441,8 @@ def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, m
     if not run["ok"] and run["steps"]:
         status += f" after {len(run['steps'])} step(s)"
     print(f"[scale] {name}: {status} in {run['wall_s']:.0f} s", flush=True)
+    if not run["ok"] and run.get("error"):  # why, where the call's output is all that comes back
+        print(failure_lines(name, run["error"]).replace("[bench]", "[scale]"), flush=True)
     return run
 
 
@@ -507,9 +511,11 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, devices: list[str], pin: bool, timeout: float) -> dict[str, Any]:
         layout_env = side_env(env, devices, pin=pin) if gpus else env
         with mps_daemon(layout_env) if args.mps else nullcontext(layout_env) as layout_env:
-            return run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
-                              prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
-                              prompts=prompts[name])
+            result = run_layout(w, name, workdir / w.name / name, layout_env, model_path=model_path,
+                                prompt_tokens=prompt_tokens, timeout=timeout, layout_keys=keys[name],
+                                prompts=prompts[name])
+        keep_side(results_path, keys[name], result)  # kept at once: a call stopped later still has it
+        return result
 
     sides = run_waves(schedule, run, args, end, tag="scale")
     devices = {n: g for wave in schedule for n, g in wave.items()}

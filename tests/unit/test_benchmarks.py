@@ -491,6 +491,9 @@ def test_scale_deadline_shares_the_time_between_waves(tmp_path, monkeypatch, cap
     assert set(record["sides"]) == {"1gpu", "2gpu-fsdp2", "4gpu-fsdp2"}
     assert limits["4gpu-fsdp2"] == 235.0
     assert list(record["schedule"][0]) == ["4gpu-fsdp2"]
+    kept = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu-scale.sides.jsonl").read_text().splitlines()]
+    assert kept[0]["sides"].keys() == {"4gpu-fsdp2"} and kept[0]["overrides"][0] == "cluster.placement=colocated"
+    assert {name for k in kept for name in k["sides"]} == set(limits)  # each layout that ran, as it ended
     if first_wave_s == 400.0:
         assert rc == 1 and "1gpu" not in limits and "2gpu-fsdp2" not in limits
         assert "[scale] 1gpu, 2gpu-fsdp2: not started: 70 s of --deadline 500 left" in capsys.readouterr().out
@@ -645,3 +648,17 @@ def test_loop_overhead_times_every_function_between_the_loops_phases(capsys):
     with pytest.raises(SystemExit):
         main(["--repeats", "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_a_failed_scale_layout_prints_why(monkeypatch, tmp_path, capsys):
+    """A layout that fails prints the tail of its error as it ends (as benchmarks/run.py's sides do)."""
+    from benchmarks import scale
+
+    w = WORKLOADS["grpo-gpu-scale"].tiny()
+    monkeypatch.setattr(scale, "run_ours", lambda *a: {"ok": False, "metrics": [], "wall_s": 3.0, "log": str(tmp_path / "log"),
+                                                       "error": "Traceback\nValueError: boom"})
+    monkeypatch.setattr(scale, "run_cluster", lambda side_dir, log: "")
+    run = scale.run_layout(w, "1gpu", tmp_path / "1gpu", {}, model_path=None, prompt_tokens=[10] * w.steps,
+                           timeout=60.0, layout_keys=[])
+    out = capsys.readouterr().out
+    assert not run["ok"] and "[scale] 1gpu: FAILED in 3 s" in out and "[scale] 1gpu | ValueError: boom" in out
