@@ -314,10 +314,10 @@ def log_tail(path: str, lines: int = 15) -> str:
     return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
 
 
-def failure_lines(side: str, error: str, lines: int = 12) -> str:
+def failure_lines(side: str, error: str, lines: int = 12, tag: str = "bench") -> str:
     """The last `lines` of a failed side's error (its log's tail, or the runner's traceback), each
-    prefixed with the side: printed as it fails, so a call stopped before the record still says why."""
-    return "\n".join(f"[bench] {side} | {line}" for line in error.strip().splitlines()[-lines:])
+    prefixed with `[tag] side`: printed as it fails, so a call stopped before the record still says why."""
+    return "\n".join(f"[{tag}] {side} | {line}" for line in error.strip().splitlines()[-lines:])
 
 
 def run_ours(w: Workload, overrides: list[str], side_dir: Path, env: dict[str, str], timeout: float
@@ -520,7 +520,7 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
         print(failure_lines(side, r["error"]), flush=True)
     record = {"overrides": overrides, **r, "side": side, "gpus": gpus, "ray_tmpdir": env["RAY_TMPDIR"],
               "timeout_s": timeout}
-    if getattr(args, "results", None):
+    if args.results:
         keep_side(REPO / args.results / f"{w.name}.jsonl", overrides, record)
     return record
 

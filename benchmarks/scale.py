@@ -101,23 +101,26 @@ class Layout:
         return "cluster.placement=colocated" in self.overrides
 
 
-def _zero(zero_stage: int) -> tuple[str, ...]:
-    """A DeepSpeed layout's keys: its stage, and no FSDP2-only cast (`cast_once_per_step`, which the
-    workload's `LEARNER_KERNELS` turn on and config validation refuses with DeepSpeed)."""
-    return (f"learner.zero_stage={zero_stage}", "learner.cast_once_per_step=false") if zero_stage else ()
+def _learner(backend: str, zero_stage: int) -> tuple[str, ...]:
+    """A layout's learner keys: its backend, and for DeepSpeed its stage and no FSDP2-only cast
+    (`cast_once_per_step`, which the workload's `LEARNER_KERNELS` turn on and config validation
+    refuses with DeepSpeed)."""
+    if backend != "deepspeed":
+        return (f"learner.backend={backend}",)
+    return (f"learner.backend={backend}", f"learner.zero_stage={zero_stage}", "learner.cast_once_per_step=false")
 
 
 def _colocated(gpus: int, backend: str = "fsdp2", zero_stage: int = 0) -> Layout:
     """An engine and a learner rank on every GPU."""
     return Layout(gpus, gpus, ("cluster.placement=colocated", f"learner.num_ranks={gpus}",
-                               f"learner.backend={backend}", *_zero(zero_stage)))
+                               *_learner(backend, zero_stage)))
 
 
 def _split(gpus: int, engines: int, backend: str = "fsdp2", zero_stage: int = 0, staleness: int = 0) -> Layout:
     """`engines` GPUs generate, the others learn; `staleness` > 0: asynchronous GRPO."""
-    extra = _zero(zero_stage) + ((f"grpo.max_staleness={staleness}",) if staleness else ())
+    extra = (f"grpo.max_staleness={staleness}",) if staleness else ()
     return Layout(gpus, engines, ("cluster.placement=split", f"cluster.generator_engines={engines}",
-                                  f"learner.num_ranks={gpus - engines}", f"learner.backend={backend}", *extra))
+                                  f"learner.num_ranks={gpus - engines}", *_learner(backend, zero_stage), *extra))
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -442,7 +445,7 @@ def run_layout(w: Workload, name: str, side_dir: Path, env: dict[str, str], *, m
         status += f" after {len(run['steps'])} step(s)"
     print(f"[scale] {name}: {status} in {run['wall_s']:.0f} s", flush=True)
     if not run["ok"] and run.get("error"):  # why, where the call's output is all that comes back
-        print(failure_lines(name, run["error"]).replace("[bench]", "[scale]"), flush=True)
+        print(failure_lines(name, run["error"], tag="scale"), flush=True)
     return run
 
 

@@ -80,7 +80,7 @@ def test_visible_gpus_from_cuda_visible_devices():
 
 
 def _args(**kw):
-    base = dict(parallel=True, side_timeout=60, threads=None, trl_batch=0, no_pin=False)
+    base = dict(parallel=True, side_timeout=60, threads=None, trl_batch=0, no_pin=False, results=None)
     return argparse.Namespace(**{**base, **kw})
 
 
