@@ -11,19 +11,26 @@ All engines work at once; the call returns when the slowest is done. `last_metri
 engine's tokens and seconds for the call (from issuing it to its result being ready) and the
 slowest/fastest ratio, which shows an imbalance (long completions bunched in one shard).
 `submit` issues the same calls and returns at once (asynchronous GRPO: rlhf.rollouts).
+
+Streaming (`rlhf.protocols.SampleStream`, for rlhf.partial): samples wait here until an engine has
+room (its `stream_room`, the sequences it decodes at once) and go to the one with the fewest
+running; each engine has one `stream` call out at a time, which returns as soon as a sample
+finishes there (or after STREAM_CALL_S), and is sent again at once with the samples that now fit.
+The engines never wait for each other, and a call's return is the only hand-over.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import ray
 
-from actors.actor_group import ActorGroup, gather_timed
+from actors.actor_group import ActorGroup, gather, gather_timed
 from rlhf.data.batching import even_shards
-from rlhf.types import Completion, SamplingSpec
+from rlhf.types import Completion, SampleRequest, SamplingSpec
 
 
 class EngineGroup:
@@ -36,6 +43,13 @@ class EngineGroup:
         self.engines = group.actors
         self.gpus = gpus
         self._metrics: dict[str, float] = {}
+        # Streaming: samples not yet sent, each engine's running count and room, the call out per engine.
+        self._waiting: deque[SampleRequest] = deque()
+        self._sampling: SamplingSpec | None = None
+        self._running: list[int] = [0] * len(self.engines)
+        self._room: list[int] = []
+        self._calls: dict[ray.ObjectRef, tuple[int, float]] = {}  # -> (engine, when sent)
+        self._busy = [[0, 0.0] for _ in self.engines]  # [tokens, seconds] per engine since the last pause
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -64,6 +78,59 @@ class EngineGroup:
     def wake(self) -> None:
         if self.sleeps:
             self.group.call("wake")
+
+    # ------------------------------------------------------------------ streaming
+
+    def add(self, requests: Sequence[SampleRequest], sampling: SamplingSpec) -> None:
+        if not self._room:
+            self._room = gather([e.stream_room.remote() for e in self.engines], self.group.labels(), "stream_room")
+        self._sampling = sampling
+        self._waiting.extend(requests)
+        self._dispatch()
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        while True:
+            self._dispatch()
+            if not self._calls:
+                return []
+            ready, _ = ray.wait(list(self._calls), num_returns=1)
+            if finished := self._take(ready[0]):  # a call may end on its time limit with none
+                return finished
+
+    def pause(self) -> list[tuple[int, Completion]]:
+        finished = []
+        while self._calls:  # each returns within STREAM_CALL_S; nothing new is sent meanwhile
+            finished += self._take(next(iter(self._calls)))
+        partial = gather([e.stop_stream.remote() for e in self.engines], self.group.labels(), "stop_stream")
+        for e, part in enumerate(partial):
+            self._busy[e][0] += sum(len(c.token_ids) for _, c in part)
+        self._metrics = engine_metrics({e: (t, s) for e, (t, s) in enumerate(self._busy) if s})
+        self._running, self._busy = [0] * len(self.engines), [[0, 0.0] for _ in self.engines]
+        self._waiting.clear()
+        return finished + [kc for part in partial for kc in part]
+
+    def _dispatch(self) -> None:
+        """A `stream` call to every engine without one that has samples: the waiting ones shared out
+        evenly over those engines, fewest running first, none past an engine's room."""
+        if not self._room:
+            return
+        out = {e for e, _ in self._calls.values()}
+        idle = sorted((e for e in range(len(self.engines)) if e not in out), key=lambda e: self._running[e])
+        for i, e in enumerate(idle):
+            share = -(-len(self._waiting) // (len(idle) - i))
+            take = [self._waiting.popleft() for _ in range(min(share, self._room[e] - self._running[e]))]
+            if take or self._running[e]:
+                self._running[e] += len(take)
+                self._calls[self.engines[e].stream.remote(take, self._sampling)] = (e, time.perf_counter())
+
+    def _take(self, ref: ray.ObjectRef) -> list[tuple[int, Completion]]:
+        """A returned `stream` call's finished samples; its engine is idle until the next `_dispatch`."""
+        e, sent = self._calls.pop(ref)
+        finished = gather([ref], [self.group.labels()[e]], "stream")[0]  # fails fast on a dead engine
+        self._busy[e][0] += sum(len(c.token_ids) for _, c in finished)
+        self._busy[e][1] += time.perf_counter() - sent
+        self._running[e] -= len(finished)
+        return finished
 
     def shutdown(self) -> None:
         self.group.shutdown(process_exits=True)  # each engine is killed next (VLLMGenerator.shutdown)

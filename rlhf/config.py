@@ -79,6 +79,9 @@ class GenerationConfig:
     by the host, which is what `separate` is for; our calls into the engine then travel pickled."""
     ignore_eos: bool = False
     """Generate exactly `max_new_tokens` per completion (speed runs on random weights)."""
+    forced_lengths: Literal["none", "long_tail"] = "none"
+    """Speed runs on random weights: `long_tail` draws each completion's limit from the lengths of chains
+    of thought (rlhf.data.lengths: median 3/32 of max_new_tokens, 1% above 3/4 of it). vLLM."""
     max_num_seqs: int = 0
     """Sequences an engine decodes at once (vLLM's `max_num_seqs`; 0: vLLM's default)."""
     max_num_batched_tokens: int = 0
@@ -202,6 +205,13 @@ class GRPOConfig:
     at max_new_tokens (0: max_new_tokens // 4)."""
     overlong_penalty_factor: float = 1.0
     """The penalty of a response at the cap, with `overlong: shape`."""
+    rollouts: Literal["batch", "stream", "partial"] = "batch"
+    """`batch`: one generation call per step over shards of the prompts (rlhf.rollouts); `stream`:
+    samples one by one to whichever engine has room, on-policy; `partial`: streaming where a step trains
+    on the first groups to finish and the others continue under the next weights, at most
+    max_staleness (>= 1) versions old when trained (rlhf.partial). vLLM engines."""
+    overprovision: float = 1.5
+    """`rollouts: partial`: groups kept running per prompts_per_step (1 to max_staleness + 1)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (rlhf.sampling): groups whose rewards are all equal are dropped and more
     prompts generated, `prompts_per_step` at a time, until the step has `prompts_per_step` informative

@@ -84,6 +84,29 @@ def _grpo(c: RunConfig) -> None:
     check(not (g.dynamic_sampling and g.max_staleness > 0), "grpo.dynamic_sampling",
           "false with grpo.max_staleness > 0 (it decides on rewards before the next generation)",
           g.dynamic_sampling)
+    _streaming(c)
+
+
+def _streaming(c: RunConfig) -> None:
+    """`grpo.rollouts: stream | partial` (rlhf.partial) and forced lengths: vLLM engines, single-turn."""
+    g = c.grpo
+    check(g.rollouts != "stream" or g.max_staleness == 0, "grpo.max_staleness",
+          "0 with grpo.rollouts=stream (on-policy streaming; grpo.rollouts=partial runs samples across versions)",
+          g.max_staleness)
+    check(g.rollouts != "partial" or g.max_staleness >= 1, "grpo.max_staleness",
+          ">= 1 with grpo.rollouts=partial (a paused sample continues under the next version)", g.max_staleness)
+    check(g.rollouts != "partial" or 1 <= g.overprovision <= g.max_staleness + 1, "grpo.overprovision",
+          f"a number in [1, grpo.max_staleness + 1 = {g.max_staleness + 1}] (groups running per prompts_per_step;"
+          " more could not be trained within the staleness bound)", g.overprovision)
+    if g.rollouts != "batch":
+        check(c.generation.backend == "vllm", "grpo.rollouts", "batch with generation.backend=hf (streaming "
+              "needs vLLM's engine)", g.rollouts)
+        check(not g.dynamic_sampling, "grpo.dynamic_sampling", f"false with grpo.rollouts={g.rollouts}",
+              g.dynamic_sampling)
+        check(not c.env.tools and c.env.environment is None, "grpo.rollouts", "batch with multi-turn episodes "
+              "(env.tools or env.environment): episodes are not streamed yet", g.rollouts)
+    check(c.generation.forced_lengths == "none" or c.generation.backend == "vllm", "generation.forced_lengths",
+          "none with generation.backend=hf (per-sample limits are vLLM requests)", c.generation.forced_lengths)
 
 
 def _dpo(d: DPOConfig) -> None:

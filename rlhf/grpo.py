@@ -18,6 +18,9 @@ Decisions (each a config key; docs/design/grpo-loop.md gives the reasons):
 - Asynchronous rollouts (`RolloutQueue`): with `grpo.max_staleness=s > 0` the engines generate step
   k+s while the learners train on step k, and the loop waits for them before pushing weights; stale
   samples are corrected by importance weights (`grpo.is_correction`).
+- Streaming and partial rollouts (`RolloutStream`, `grpo.rollouts: stream | partial`): samples are
+  taken as each finishes; with `partial` a step trains on the first groups to finish and the others
+  continue under the next weights, at most max_staleness versions old when trained.
 - DAPO sampling (rlhf.sampling), off by default: `grpo.dynamic_sampling` and `grpo.overlong`.
 - Learning-signal watch (`SignalWatch`): a step whose groups all scored one reward each cannot move
   the policy, so in a run's first steps it is said at once, with its likeliest cause; later, a stall
@@ -40,6 +43,7 @@ from rlhf.env.episodes import EpisodeSampler
 from rlhf.errors import RunError
 from rlhf.evaluate import EvalSet, Evaluator
 from rlhf.protocols import Cluster, Generator
+from rlhf.partial import RolloutStream
 from rlhf.rollouts import RolloutQueue
 from rlhf.rules import checkpoint_due, scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint
@@ -57,7 +61,8 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     `eval_set` holds them already (the scripts load it before Ray starts).
     """
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
-    rollout_queue = RolloutQueue(cluster.generator, prompts, cfg, episodes)  # asynchronous rollouts
+    rollout_queue = (RolloutQueue(cluster.generator, prompts, cfg, episodes) if cfg.grpo.rollouts == "batch"
+                     else RolloutStream(cluster.generator, prompts, cfg))  # streaming and partial rollouts
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens,
                                           quantized_rollouts=cfg.generation.quantization != "none")

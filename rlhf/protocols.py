@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from rlhf.types import Batch, Completion, PromptRow, SamplingSpec, StepMetrics, TrainBatch
+from rlhf.types import Batch, Completion, PromptRow, SampleRequest, SamplingSpec, StepMetrics, TrainBatch
 
 # A training objective: (token log-probs [B, T] of the current policy, the micro-batch (a
 # TrainBatch for GRPO, a PreferenceBatch for DPO), the denominator of the whole step) -> (loss to backpropagate, metrics summed over the micro-batch).
@@ -56,6 +56,33 @@ class Generator(Protocol):
 
     def wake(self) -> None:
         """Take the memory back before generating or receiving weights."""
+        ...
+
+
+class SampleStream(Protocol):
+    """A Generator's streaming side (`grpo.rollouts: stream | partial`, rlhf.partial): samples go in
+    one by one and come back as each finishes, so the engines batch continuously across a step and
+    a step need not wait for its longest sample."""
+
+    def add(self, requests: Sequence[SampleRequest], sampling: SamplingSpec) -> None:
+        """Start these samples (temperature, top-p/k and ignore_eos from `sampling`; each request's
+        own token limit and seed) on whichever engine has room; return at once."""
+        ...
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        """(key, completion) of samples finished since the last call, waiting until there is at least
+        one; [] only when none is in flight."""
+        ...
+
+    def pause(self) -> list[tuple[int, Completion]]:
+        """Stop every sample in flight and return each one's tokens so far, finish_reason "abort"
+        (and any that finished meanwhile, as they finished); nothing runs on the engines afterwards,
+        so weights can be pushed. Each engine's tokens and busy seconds since the previous pause are
+        in `last_metrics()`."""
+        ...
+
+    def last_metrics(self) -> dict[str, float]:
+        """`gen/engine{e}_tokens` and `gen/engine{e}_s` of the window the last `pause` ended."""
         ...
 
 

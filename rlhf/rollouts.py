@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.config import RunConfig
+from rlhf.data.lengths import forced_lengths
 from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.protocols import Generator, PendingGeneration
@@ -160,10 +161,17 @@ class RolloutQueue:
 def sampling_spec(cfg: RunConfig, step: int, round: int = 0) -> SamplingSpec:
     """G samples per prompt. Prompt i's sampling seed derives from (run seed, step, i), so a resumed run
     draws the same samples as an uninterrupted one, whatever the number of engines. Extra round r > 0 of
-    a step ("Extra rounds") offsets the seed by r * 2**32, beyond every step's and the evaluation's."""
-    gen = cfg.generation
+    a step ("Extra rounds") offsets the seed by r * 2**32, beyond every step's and the evaluation's.
+    With `generation.forced_lengths`, the step's prompt i is the run's group (step + r * steps) * P + i
+    (rlhf.data.lengths)."""
+    gen, p = cfg.generation, cfg.grpo.prompts_per_step
+    lengths: tuple[int, ...] = ()
+    if gen.forced_lengths != "none":
+        first = (step + round * cfg.grpo.steps) * p
+        lengths = tuple(n for i in range(p) for n in forced_lengths(gen.forced_lengths, gen.max_new_tokens,
+                                                                     cfg.seed, first + i, cfg.grpo.group_size))
     return SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
         top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step + (round << 32),
-        ignore_eos=gen.ignore_eos,
+        ignore_eos=gen.ignore_eos, lengths=lengths,
     )

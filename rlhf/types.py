@@ -49,6 +49,10 @@ class SamplingSpec:
     """Base seed of the call; prompt i of the step samples with `prompt_seed(i)`, so a prompt's
     samples depend on (seed, its global index) only, not on which engine or batch it lands in."""
     ignore_eos: bool = False
+    lengths: tuple[int, ...] = ()
+    """Forced lengths (`generation.forced_lengths`): the token limit of each completion of the call,
+    prompt-major (completion j of prompt i is `lengths[i * n + j]`), each sampled on its own; empty:
+    `max_new_tokens` for all."""
 
     def prompt_seed(self, index: int) -> int | None:
         """The sampling seed of the step's prompt `index` (None when the call is unseeded).
@@ -57,11 +61,16 @@ class SamplingSpec:
         with seed + k, so neighbouring prompts must not get neighbouring seeds."""
         if self.seed is None:
             return None
-        mask = 2**64 - 1
-        z = (self.seed * 0x9E3779B97F4A7C15 + index + 1) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return (z ^ (z >> 31)) >> 2
+        return mix_seed(self.seed, index)
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """A SplitMix64 mix of (seed, index), 62 bits: seeds for items of one run that must not be neighbours."""
+    mask = 2**64 - 1
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 2
 
 
 @dataclass
@@ -77,6 +86,9 @@ class Completion:
     mask:      a multi-turn episode's (rlhf.env.episodes): True on the model's own tokens, False on
                tool outputs and template tokens (trained on: the True ones); None: all the model's.
     reward:    a multi-turn episode's reward from its environment; None: reward.functions score it.
+    versions:  the weight version that sampled each token (same length as token_ids), for a sample
+               continued across weight pushes (partial rollouts, rlhf.partial); None: every token is
+               of its RolloutBatch's `version`.
     """
 
     token_ids: list[int]
@@ -84,12 +96,26 @@ class Completion:
     finish_reason: str
     mask: list[bool] | None = None
     reward: float | None = None
+    versions: list[int] | None = None
 
     def model_token_ids(self) -> list[int]:
         """The tokens the model wrote (all of them unless `mask` says otherwise): what rewards score."""
         if self.mask is None:
             return self.token_ids
         return [t for t, m in zip(self.token_ids, self.mask) if m]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample for a streaming engine (`rlhf.protocols.SampleStream`): a new one, or one continued
+    under newer weights, whose `prompt_ids` are then its prompt followed by the tokens it has."""
+
+    key: int
+    """The caller's name for the sample; the engine answers with it."""
+    prompt_ids: list[int]
+    max_new_tokens: int
+    """Tokens still to generate."""
+    seed: int | None = None
 
 
 @dataclass
@@ -109,7 +135,8 @@ class RolloutBatch:
     """Per-engine generation figures of the step (Generator.last_metrics)."""
     version: int = 0
     """The weight version that generated every completion: the number of optimizer steps behind it
-    ("Weights change only between generations" in rlhf.rollouts)."""
+    ("Weights change only between generations" in rlhf.rollouts); with partial rollouts the oldest
+    token's, each completion's `versions` telling its tokens'."""
 
 
 @dataclass

@@ -323,6 +323,76 @@ def test_batch_decode_equals_vllms_own_detokenizer(vllm_gen, tiny_qwen2):
 # --------------------------------------------------------------------------- (f)
 
 
+def _stream_all(gen, requests, sampling) -> dict[int, Completion]:
+    done = dict(gen.stream(requests, sampling))
+    while len(done) < len(requests):
+        done.update(gen.stream([], sampling))
+    return done
+
+
+def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(vllm_gen, tiny_qwen2):
+    """(g) Streaming ("Streaming" in actors.vllm_generator): samples come back as each ends, at
+    their own limits; a paused sample hands back its tokens and log-probs, and continued as prompt +
+    tokens under the same weights it ends where it would have (greedy), its log-probs still the
+    transformers forward's."""
+    from rlhf.types import SampleRequest
+
+    sampling = SamplingSpec(n=1, max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    limits = [3, 9, 30, 60]
+    requests = [SampleRequest(key=10 + i, prompt_ids=PROMPTS[i % 3], max_new_tokens=n, seed=i)
+                for i, n in enumerate(limits)]
+    first = vllm_gen.stream(requests, sampling)
+    assert [k for k, _ in first] == [10]  # the shortest ends first, alone
+    done = dict(first)
+    while len(done) < 3:
+        done.update(vllm_gen.stream([], sampling))
+    assert sorted(done) == [10, 11, 12]
+    assert [len(done[10 + i].token_ids) for i in range(3)] == limits[:3]
+    assert all(c.finish_reason == "length" for c in done.values())
+    paused = dict(vllm_gen.stop_stream())
+    assert list(paused) == [13] and paused[13].finish_reason == "abort"
+    part = paused[13]
+    assert 0 < len(part.token_ids) < 60 and len(part.logprobs) == len(part.token_ids)
+    assert vllm_gen.stream([], sampling) == []  # nothing left running
+    rest = _stream_all(vllm_gen, [SampleRequest(13, PROMPTS[0] + part.token_ids, 60 - len(part.token_ids))],
+                       sampling)[13]
+    whole = part.token_ids + rest.token_ids
+    model = _hf_model(tiny_qwen2)
+    assert whole == _reference_greedy(model, PROMPTS[0], 60)
+    ref = _reference_logprobs(model, PROMPTS[0], whole)
+    assert max(abs(a - b) for a, b in zip(part.logprobs + rest.logprobs, ref)) < 1e-3
+
+
+def test_streamed_samples_are_their_seeds_and_forced_lengths_their_own(vllm_gen):
+    """The same seeded request streams the same tokens beside other samples or alone; `generate` with
+    forced lengths gives each completion its own limit, grouped as without them."""
+    from rlhf.types import SampleRequest
+
+    sampling = SamplingSpec(n=1, max_new_tokens=16, temperature=1.0, ignore_eos=True)
+    alone = _stream_all(vllm_gen, [SampleRequest(1, PROMPTS[1], 12, seed=77)], sampling)[1]
+    crowd = _stream_all(vllm_gen, [SampleRequest(k, PROMPTS[k % 3], 5 + k, seed=k) for k in range(2, 9)]
+                        + [SampleRequest(1, PROMPTS[1], 12, seed=77)], sampling)[1]
+    assert crowd.token_ids == alone.token_ids
+    forced = SamplingSpec(n=2, max_new_tokens=16, temperature=1.0, seed=3, ignore_eos=True,
+                          lengths=(4, 9, 1, 16, 7, 2))
+    out = vllm_gen.generate(PROMPTS, forced)
+    assert [len(c.token_ids) for c in out] == [4, 9, 1, 16, 7, 2]
+    tail = vllm_gen.generate(PROMPTS[1:], forced, first_index=1)  # an engine's shard: its own lengths
+    assert [len(c.token_ids) for c in tail] == [1, 16, 7, 2]
+    assert [c.token_ids for c in tail] == [c.token_ids for c in out[2:]]
+
+
+def test_sleep_with_streaming_samples_running_is_refused(vllm_gen):
+    from rlhf.types import SampleRequest
+
+    sampling = SamplingSpec(n=1, max_new_tokens=40, temperature=1.0, ignore_eos=True)
+    vllm_gen.stream([SampleRequest(5, PROMPTS[0], 40, seed=1), SampleRequest(6, PROMPTS[1], 2, seed=1)], sampling)
+    with pytest.raises(RuntimeError, match="stop_stream first"):
+        vllm_gen.sleep()
+    assert [k for k, _ in vllm_gen.stop_stream()] == [5]
+    vllm_gen.sleep()
+
+
 def test_engine_settings_reach_vllm(vllm_gen):
     config = vllm_gen.llm.llm_engine.vllm_config
     sched = config.scheduler_config

@@ -330,12 +330,12 @@ def test_actor_failure_survives_pickling():
 
 def test_socket_folders_of_dead_engines_are_swept_and_live_ones_kept(tmp_path):
     """A run killed outright never reaches VLLMGenerator.shutdown; the next engine removes the socket
-    folders whose creating process is gone (actors.vllm_generator.sweep_stale_socket_folders)."""
+    folders whose creating process is gone (actors.vllm_process.sweep_stale_socket_folders)."""
     import os
     import subprocess
     import sys
 
-    from actors.vllm_generator import sweep_stale_socket_folders
+    from actors.vllm_process import sweep_stale_socket_folders
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

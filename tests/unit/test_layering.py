@@ -163,7 +163,7 @@ def test_every_module_sits_in_a_named_package():
     top = {p.name for p in (ROOT / "rlhf").glob("*.py")}
     assert top == {"__init__.py", "protocols.py", "types.py", "errors.py",  # contracts
                    "config.py", "config_checks.py", "config_loading.py",  # config
-                   "grpo.py", "dpo.py", "rollouts.py", "sampling.py", "evaluate.py",  # the loops
+                   "grpo.py", "dpo.py", "rollouts.py", "partial.py", "sampling.py", "evaluate.py",  # the loops
                    "scoring.py", "reward_model.py",  # what training and evaluation, learners and engines share
                    "lora.py",
                    "rules.py"}  # rules derived from a config that the cluster, planner and loops all ask

@@ -1,0 +1,234 @@
+"""Streaming and partial rollouts (rlhf.partial) against a deterministic fake engine.
+
+The fake decodes one token per tick for every running sample, up to its request's limit; a token's
+id and log-prob say which key and which weight version made it, so each check reads the truth off
+the tokens: per-token versions, the staleness bound (also after a checkpoint round trip), the
+importance weights against a reference computed by hand, exact resume, and samples an engine
+aborted on its own being continued, never trained.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf.algo.losses import importance_weights
+from rlhf.config import load_config
+from rlhf.data.batching import rollouts_to_batch
+from rlhf.data.lengths import forced_lengths
+from rlhf.data.stream import PromptStream
+from rlhf.partial import RolloutStream
+from rlhf.types import Completion, PromptRow, SampleRequest
+
+
+def logprob_of(version: int) -> float:
+    return -0.5 - 0.25 * version
+
+
+class FakeStream:
+    """`rlhf.protocols.SampleStream`: `room` samples decode at once (the rest wait), one token a tick.
+    Token t of sample `key` is key * 1000 + position; its log-prob tells the engine's version."""
+
+    def __init__(self, room: int = 1000) -> None:
+        self.room, self.version = room, 0
+        self.running: dict[int, list] = {}  # key -> [request, tokens so far]
+        self.waiting: list[SampleRequest] = []
+        self.abort_once: set[int] = set()  # keys the engine aborts by itself at their next token
+        self.ticks = 0
+        self.fail = False
+
+    def add(self, requests, sampling):
+        assert sampling.n >= 2
+        self.waiting += list(requests)
+
+    def _fill(self):
+        while self.waiting and len(self.running) < self.room:
+            r = self.waiting.pop(0)
+            assert r.key not in self.running
+            self.running[r.key] = [r, []]
+
+    def poll(self):
+        if self.fail:
+            raise RuntimeError("engine 0 died during stream")
+        self._fill()
+        while self.running:
+            self.ticks += 1
+            done = []
+            for key, (r, toks) in list(self.running.items()):
+                toks.append(key * 1000 + len(r.prompt_ids) + len(toks))
+                if key in self.abort_once:
+                    self.abort_once.discard(key)
+                    done.append((key, self._completion(r, toks, "abort")))
+                elif len(toks) == r.max_new_tokens:
+                    done.append((key, self._completion(r, toks, "length")))
+            for key, _ in done:
+                del self.running[key]
+            if done:
+                return done
+        return []
+
+    def _completion(self, r, toks, reason):
+        return Completion(list(toks), [logprob_of(self.version)] * len(toks), reason)
+
+    def pause(self):
+        out = [(key, self._completion(r, toks, "abort")) for key, (r, toks) in self.running.items()]
+        self.running, self.waiting = {}, []
+        return out
+
+    def last_metrics(self):
+        return {"gen/engine0_s": 1.0}
+
+
+def _config(rollouts="partial", staleness=2, over=2.0, steps=8, extra=()):
+    return load_config(None, [f"grpo.rollouts={rollouts}", f"grpo.max_staleness={staleness}",
+                              f"grpo.overprovision={over}", f"grpo.steps={steps}", "grpo.prompts_per_step=4",
+                              "grpo.group_size=2", "generation.max_new_tokens=40",
+                              "generation.forced_lengths=long_tail", *extra])
+
+
+def _stream(cfg, engine=None):
+    engine = engine or FakeStream()
+    prompts = PromptStream([(PromptRow(prompt=str(i)), [i, i]) for i in range(1000)], seed=0)
+    return RolloutStream(engine, prompts, cfg), engine
+
+
+def _run(stream, engine, steps):
+    out = []
+    for step in steps:
+        out.append(stream.next(step))
+        stream.finish()
+        engine.version = step + 1  # the push after the step
+    return out
+
+
+def _check_tokens(rollouts, step, staleness):
+    """Every trained token is the fake's own (key, position), its log-prob its version's, its version
+    within the bound; and the sample ended."""
+    g = rollouts.group_size
+    for i, c in enumerate(rollouts.completions):
+        assert c.finish_reason in ("stop", "length")
+        prompt = rollouts.prompt_ids[i // g]
+        keys = {t // 1000 for t in c.token_ids}
+        assert len(keys) == 1
+        assert [t % 1000 for t in c.token_ids] == list(range(len(prompt), len(prompt) + len(c.token_ids)))
+        assert c.logprobs == [logprob_of(v) for v in c.versions]
+        assert c.versions == sorted(c.versions) and step - staleness <= min(c.versions) and max(c.versions) <= step
+        assert len(c.versions) == len(c.token_ids)
+
+
+def test_streaming_on_policy_trains_every_step_on_its_own_groups():
+    cfg = _config(rollouts="stream", staleness=0, over=1.0)
+    stream, engine = _stream(cfg)
+    runs = _run(stream, engine, range(4))
+    for step, r in enumerate(runs):
+        _check_tokens(r, step, 0)
+        assert r.version == step and len(r.rows) == 4
+        assert [row.prompt for row in r.rows] == [p.prompt for p in r.rows]  # stream order
+        lengths = [len(c.token_ids) for c in r.completions]
+        want = [n for gid in range(4 * step, 4 * step + 4) for n in forced_lengths("long_tail", 40, 0, gid, 2)]
+        assert lengths == want  # the forced lengths of groups 4k..4k+3, untouched
+        assert r.engine_metrics["partial/carried_groups"] == 0
+        assert r.engine_metrics["partial/continued_frac"] == 0
+
+
+def test_partial_rollouts_keep_the_bound_and_carry_long_samples():
+    cfg = _config(steps=10)
+    stream, engine = _stream(cfg)
+    runs = _run(stream, engine, range(10))
+    trained = []
+    for step, r in enumerate(runs):
+        _check_tokens(r, step, 2)
+        m = r.engine_metrics
+        assert m["partial/staleness_max"] <= 2
+        assert len(r.rows) == 4 + m["partial/extra_groups"] and m["partial/extra_groups"] >= 0
+        trained += [c.token_ids[0] // 1000 // 2 for c in r.completions[::2]]
+    assert len(trained) == len(set(trained))  # no group twice
+    continued = [r.engine_metrics["partial/continued_frac"] for r in runs]
+    assert max(continued) > 0  # long samples ran across versions
+    assert sum(r.engine_metrics["partial/carried_groups"] for r in runs) > 0
+    # Running groups never exceed ceil(2 * 4); untrained never (2 + 1) * 4
+    assert max(r.engine_metrics["partial/carried_groups"] for r in runs) <= 12
+
+
+def test_importance_weights_are_per_token_of_the_version_that_sampled_it():
+    cfg = _config(steps=6)
+    stream, engine = _stream(cfg)
+    runs = _run(stream, engine, range(6))
+    step = next(k for k, r in enumerate(runs) if r.engine_metrics["partial/continued_frac"] > 0)
+    r = runs[step]
+    r.rewards = torch.zeros(len(r.completions))
+    batch = rollouts_to_batch(r, torch.zeros(len(r.completions)), pad_id=0)
+    learner = torch.full(batch.loss_mask.shape, logprob_of(step))  # the policy being trained: version `step`
+    weights, _ = importance_weights(learner, batch.sampler_logprobs, batch.loss_mask, "tis", cap=2.0)
+    for i, c in enumerate(r.completions):  # by hand: w_t = min(exp(logp_step - logp_{version(t)}), 2)
+        start = len(r.prompt_ids[i // 2])
+        want = [min(math.exp(logprob_of(step) - logprob_of(v)), 2.0) for v in c.versions]
+        assert weights[i, start:start + len(want)].tolist() == pytest.approx(want)
+    assert any(len(set(c.versions)) > 1 for c in r.completions)
+
+
+def test_a_resumed_stream_continues_exactly_and_keeps_the_bound():
+    cfg = _config(steps=9)
+    stream, engine = _stream(cfg)
+    want = _run(stream, engine, range(9))
+    first, engine1 = _stream(cfg)
+    _run(first, engine1, range(4))
+    state = first.state_dict()
+    assert state["partial"]["groups"] and any(s["token_ids"] and s["finish_reason"] is None
+                                              for g in state["partial"]["groups"] for s in g["samples"])
+    again, engine2 = _stream(cfg)
+    again.load_state_dict(state)
+    engine2.version = 4
+    got = _run(again, engine2, range(4, 9))
+    for k, (a, b) in enumerate(zip(want[4:], got), start=4):
+        assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+        assert [c.versions for c in a.completions] == [c.versions for c in b.completions]
+        assert b.engine_metrics["partial/staleness_max"] <= 2
+        _check_tokens(b, k, 2)
+
+
+def test_a_sample_the_engine_aborted_is_continued_and_counted_never_trained_short():
+    cfg = _config(rollouts="stream", staleness=0, over=1.0, steps=2)
+    stream, engine = _stream(cfg)
+    engine.abort_once = {0, 3}
+    r = stream.next(0)
+    assert r.engine_metrics["partial/aborted_samples"] == 2
+    _check_tokens(r, 0, 0)
+    lengths = [len(c.token_ids) for c in r.completions]
+    assert lengths == [n for gid in range(4) for n in forced_lengths("long_tail", 40, 0, gid, 2)]
+
+
+def test_an_engine_failure_stops_the_step_before_anything_is_trained():
+    cfg = _config(rollouts="stream", staleness=0, over=1.0, steps=2)
+    stream, engine = _stream(cfg)
+    engine.fail = True
+    with pytest.raises(RuntimeError, match="died during stream"):
+        stream.next(0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["grpo.rollouts=partial"], "grpo.max_staleness=0 is not allowed: >= 1 with grpo.rollouts=partial"),
+    (["grpo.rollouts=stream", "grpo.max_staleness=1"], "0 with grpo.rollouts=stream"),
+    (["grpo.rollouts=partial", "grpo.max_staleness=1", "grpo.overprovision=3"], "grpo.overprovision=3.0 is not"),
+    (["grpo.rollouts=stream", "generation.backend=hf"], "streaming needs vLLM"),
+    (["grpo.rollouts=stream", "grpo.dynamic_sampling=true"], "false with grpo.rollouts=stream"),
+    (["grpo.rollouts=stream", "env.tools=[rlhf.env.tools:calculator]"], "episodes are not streamed"),
+    (["generation.forced_lengths=long_tail", "generation.backend=hf"], "per-sample limits are vLLM"),
+])
+def test_streaming_settings_that_cannot_run_are_one_line(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_config(None, overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_long_tail_lengths_have_the_promised_shape():
+    import numpy as np
+
+    lengths = np.array([n for g in range(4000) for n in forced_lengths("long_tail", 16384, 0, g, 8)])
+    assert 1400 < np.median(lengths) < 1650
+    assert 0.007 < (lengths > 12288).mean() < 0.013
+    assert lengths.max() <= 16384 and lengths.min() >= 1
+    assert forced_lengths("long_tail", 16384, 0, 7, 8) == forced_lengths("long_tail", 16384, 0, 7, 8)
+    assert forced_lengths("none", 64, 0, 7, 3) == [64, 64, 64]
