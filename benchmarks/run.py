@@ -96,7 +96,8 @@ BENCH_ENV = {
     # CUDA numbers the GPUs as nvidia-smi does, so CUDA_VISIBLE_DEVICES and the samples name the same GPU.
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
 }
-SIDES = ("ours", "trl", "trl-vllm", "ours-gen", f"ours{TUNED}", f"trl{TUNED}", f"trl-vllm{TUNED}")
+SIDES = ("ours", "trl", "trl-vllm", "ours-gen", f"ours{TUNED}", f"trl{TUNED}", f"trl-vllm{TUNED}",
+         *sorted({m for w in WORKLOADS.values() for m, _ in w.our_modes}))
 _RUNNING: set[subprocess.Popen] = set()
 """Side processes running now (stopped with their process groups if the runner is interrupted)."""
 _STEPS_LOCK = threading.Lock()
@@ -162,7 +163,8 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
 def sides_of(w: Workload, only: list[str] | None, tuned: bool = False) -> list[str]:
     """Ours and the TRL sides, the tuned row's (with `tuned`), ours-gen; `only` picks among them all."""
     tuned_sides = [f"{s}{TUNED}" for s in ("ours", *w.trl_sides)]
-    sides = ["ours", *w.trl_sides, *tuned_sides, *(["ours-gen"] if w.standalone_generation else [])]
+    sides = ["ours", *(m for m, _ in w.our_modes), *w.trl_sides, *tuned_sides,
+             *(["ours-gen"] if w.standalone_generation else [])]
     return [s for s in sides if (s in only if only else tuned or s not in tuned_sides)]
 
 
@@ -491,8 +493,8 @@ def run_side(w: Workload, side: str, gpus: list[str], args: argparse.Namespace, 
         f", cores {env['BENCH_CPUS']}" if "BENCH_CPUS" in env else "")
     print(f"[bench] {side}: running{where} (log: {side_dir / 'log.txt'})", flush=True)
     timeout, eos = timeout or args.side_timeout, ["--ignore-eos"] if w.ignore_eos else []
-    if side in ("ours", f"ours{TUNED}"):
-        r = run_ours(sw, overrides, side_dir, env, timeout)
+    if side in ("ours", f"ours{TUNED}", *dict(w.our_modes)):
+        r = {**run_ours(sw, overrides, side_dir, env, timeout), "side": side}
         try:
             with _STEPS_LOCK:
                 if w.algorithm == "dpo":

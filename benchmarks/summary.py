@@ -27,6 +27,7 @@ GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     # (summary key, table label, "lower"/"higher" is better)
     ("startup_s", "start-up s, launch to step 0", "lower"),
     ("step_s", "median step s, steps 1..N-1", "lower"),
+    ("samples_per_s", "trained samples/s, steps 1..N-1", "higher"),
     ("generate_s", "median generate s", "lower"),
     ("gen_tokens_per_s", "generation tokens/s", "higher"),
     ("train_s", "median train s", "lower"),
@@ -80,12 +81,14 @@ def ours_grpo_steps(metrics: Sequence[dict[str, Any]], prompt_tokens: Sequence[i
         if "timing/step_s" not in m:
             continue
         step = int(m["step"])
-        gen_tokens = float(m["response_len/mean"]) * completions_per_step
+        samples = m.get("response/count", completions_per_step)  # partial rollouts: more when groups are due
+        gen_tokens = float(m["response_len/mean"]) * samples
         out.append({
             "step": step, "step_s": m["timing/step_s"], "generate_s": m.get("timing/generate_s", 0.0),
             "sync_s": m.get("timing/sync_s", 0.0), "reward_s": m.get("timing/reward_s", 0.0),
             "train_s": m.get("timing/train_s", 0.0), "gen_tokens": gen_tokens,
-            "train_tokens": float(prompt_tokens[step]) + gen_tokens, "reward_mean": m["reward/mean"],
+            "train_tokens": float(prompt_tokens[step]) * samples / completions_per_step + gen_tokens,
+            "samples": samples, "reward_mean": m["reward/mean"],
             "response_len_mean": m["response_len/mean"], "learner_peak_gib": m.get("memory/learner_peak_gib"),
             "mfu": m.get("perf/mfu"),
             "staleness": m.get("async/staleness", 0.0),
@@ -200,6 +203,7 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
     if algorithm == "grpo":
         out.update(
             generate_s=_median([s["generate_s"] for s in timed]),
+            samples_per_s=_median([_rate(s["samples"], s["step_s"]) for s in timed if "samples" in s]),
             gen_tokens_per_s=_median([_rate(s["gen_tokens"], generation_seconds(s)) for s in timed]),
             sync_s=_median([s.get("sync_s") for s in timed]),
             reward_s=_median([s.get("reward_s") for s in timed]),

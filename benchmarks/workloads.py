@@ -86,6 +86,8 @@ class Workload:
     description: str = ""
     planned_recipe: str = ""
     """Our recipe for the tuned row (`memory.plan: auto`, no memory key set); empty: `recipe`."""
+    our_modes: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """More sides of ours: (side name, overrides on top of ours'), e.g. the rollout modes of one workload."""
 
     def tiny(self) -> Workload:
         """The same workload on the tiny random Qwen2 at a few prompts and tokens: minutes on a CPU,
@@ -133,6 +135,20 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         planned_recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu_planned.yaml",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples, 512 tokens (ignore_eos), "
                     "colocated on 1 GPU; dense reward so every step has non-zero advantages",
+    ),
+    Workload(
+        name="grpo-gpu-long", algorithm="grpo", recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu.yaml",
+        model="random:qwen2.5-1.5b", task="arithmetic", prompts_per_step=64, group_size=8,
+        max_new_tokens=16384, steps=5, lr=1e-6, micro_batch_size=16, ignore_eos=True,
+        extra=("data.num_train=1024", "data.num_eval=16", "generation.forced_lengths=long_tail",
+               "reward.functions=[{function: tests/fixtures/dense_rewards.py:digit_fraction}]"),
+        gpu_extra=(*LEARNER_KERNELS, "cluster.generator_engines=2"),
+        our_modes=(("ours-stream", ("grpo.rollouts=stream",)),
+                   ("ours-partial", ("grpo.rollouts=partial", "grpo.max_staleness=2", "grpo.overprovision=1.5"))),
+        trl_sides=(), device="cuda",
+        description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples of long-tailed lengths (median "
+                    "1.5k, 1% above 12k, cap 16k: generation.forced_lengths), colocated on 1 GPU; ours in batch, "
+                    "stream and partial rollouts",
     ),
     Workload(
         name="grpo-gpu-scale", algorithm="grpo", recipe="configs/grpo_gsm8k_qwen2.5-1.5b_1gpu.yaml",
@@ -358,9 +374,11 @@ def trl_dpo_kwargs(cfg: RunConfig, *, output_dir: str, use_cpu: bool) -> dict[st
 
 
 def side_plan(w: Workload, side: str, output_dir: str, model_path: str | None) -> tuple[Workload, list[str]]:
-    """(workload, overrides) a side runs: the workload's; ours in the tuned row runs the planned
-    recipe under `memory.plan=auto` (`tuned_overrides`)."""
+    """(workload, overrides) a side runs: the workload's, plus a mode's (`our_modes`); ours in the tuned
+    row runs the planned recipe under `memory.plan=auto` (`tuned_overrides`)."""
     overrides = our_overrides(w, output_dir=output_dir, model_path=model_path)
+    if side in dict(w.our_modes):
+        return w, [*overrides, *dict(w.our_modes)[side]]
     if side != f"ours{TUNED}":
         return w, overrides
     return replace(w, recipe=w.planned_recipe or w.recipe), tuned_overrides(overrides, on_gpu=w.device == "cuda")

@@ -235,6 +235,7 @@ def step_metrics(step: int, rollouts: RolloutBatch, batch: TrainBatch, train: St
         "clip_frac": train.values.get("clip_frac", 0.0),
         "mismatch/logprob_abs_diff": train.values.get("mismatch/logprob_abs_diff", 0.0),
         **{k: v for k, v in train.values.items() if k not in ("kl", "clip_frac", "mismatch/logprob_abs_diff")},
+        "response/count": float(len(lengths)),
         "response_len/mean": float(lengths.mean()),
         "response_len/max": float(lengths.max()),
         "response/truncated_frac": sum(c.finish_reason == "length" for c in rollouts.completions) / len(lengths),

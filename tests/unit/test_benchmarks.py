@@ -662,3 +662,26 @@ def test_a_failed_scale_layout_prints_why(monkeypatch, tmp_path, capsys):
                            timeout=60.0, layout_keys=[])
     out = capsys.readouterr().out
     assert not run["ok"] and "[scale] 1gpu: FAILED in 3 s" in out and "[scale] 1gpu | ValueError: boom" in out
+
+
+def test_the_long_tail_workload_runs_our_three_rollout_modes_on_the_same_lengths():
+    """grpo-gpu-long: ours in batch, stream and partial rollouts, each config valid, only the rollout
+    keys apart, every side forcing the same long-tailed lengths."""
+    from pathlib import Path
+
+    from benchmarks.run import sides_of
+    from benchmarks.workloads import WORKLOADS, side_plan
+    from rlhf.config import load_config
+
+    root, w = Path(__file__).resolve().parents[2], WORKLOADS["grpo-gpu-long"]
+    assert sides_of(w, None) == ["ours", "ours-stream", "ours-partial"]
+    plans = {side: side_plan(w, side, "out", "model")[1] for side in sides_of(w, None)}
+    cfgs = {side: load_config(root / w.recipe, o) for side, o in plans.items()}
+    assert {c.grpo.rollouts for c in cfgs.values()} == {"batch", "stream", "partial"}
+    assert all(c.generation.forced_lengths == "long_tail" and c.generation.max_new_tokens == 16384
+               for c in cfgs.values())
+    assert cfgs["ours-partial"].grpo.max_staleness == 2
+    for side in ("ours-stream", "ours-partial"):
+        assert plans[side][:len(plans["ours"])] == plans["ours"]
+    tiny = w.tiny()
+    assert load_config(root / tiny.recipe, side_plan(tiny, "ours-partial", "out", "m")[1]).generation.max_new_tokens == 16
