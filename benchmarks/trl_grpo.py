@@ -13,6 +13,7 @@ functions, and writes a side record (benchmarks/sidecommon.py) with, per optimiz
   train_s     step_s minus `_generate_and_score_completions` (forward, backward, optimizer)
   gen_tokens, train_tokens (prompt + completion), reward_mean, response_len_mean
   prompts_match  TRL tokenized exactly our prompt ids, each repeated group_size times
+With `generation.forced_lengths` (vLLM generation), each completion gets our limit (`force_lengths`).
 The trainer is subclassed only to time those methods; what runs is TRL's code.
 """
 
@@ -140,6 +141,8 @@ def train(args: Any, record: dict[str, Any]) -> None:
 
     trainer = TimedGRPOTrainer(model=model_path, reward_funcs=[make_reward(cfg)], args=GRPOConfig(**kwargs),
                                train_dataset=dataset, processing_class=tokenizer, callbacks=[step_clock(record, args, close_step)()])
+    if cfg.generation.forced_lengths != "none":
+        force_lengths(trainer.vllm_generation.llm, cfg)
     if args.generation == "vllm":
         generation = trainer.vllm_generation
         sync = generation.sync_weights
@@ -151,6 +154,27 @@ def train(args: Any, record: dict[str, Any]) -> None:
 
         generation.sync_weights = timed_sync
     trainer.train()
+
+
+def force_lengths(llm: Any, cfg: Any) -> None:
+    """Our forced lengths (`generation.forced_lengths`) on TRL's colocated vLLM: TRL sends one copy of a
+    prompt per completion, in our order, so the run's completion i is sample i % G of group i // G and
+    gets that sample's limit (rlhf.data.lengths), as ours does."""
+    from rlhf.data.lengths import forced_lengths
+
+    generate, seen, g = llm.generate, [0], cfg.grpo.group_size
+
+    def per_completion(prompts: list[Any], sampling_params: Any = None, **kwargs: Any) -> Any:
+        params = []
+        for i in range(len(prompts)):
+            group, j = divmod(seen[0] + i, g)
+            limit = forced_lengths(cfg.generation.forced_lengths, cfg.generation.max_new_tokens, cfg.seed, group, g)[j]
+            params.append(sampling_params.clone())
+            params[-1].max_tokens = limit
+        seen[0] += len(prompts)
+        return generate(prompts, sampling_params=params, **kwargs)
+
+    llm.generate = per_completion
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
         gpu_extra=(*LEARNER_KERNELS, "cluster.generator_engines=2"),
         our_modes=(("ours-stream", ("grpo.rollouts=stream",)),
                    ("ours-partial", ("grpo.rollouts=partial", "grpo.max_staleness=2", "grpo.overprovision=1.5"))),
-        trl_sides=(), device="cuda",
+        trl_sides=("trl-vllm",), device="cuda",
         description="Qwen2.5-1.5B-shaped random weights, 64 prompts x 8 samples of long-tailed lengths (median "
                     "1.5k, 1% above 12k, cap 16k: generation.forced_lengths), colocated on 1 GPU; ours in batch, "
                     "stream and partial rollouts",

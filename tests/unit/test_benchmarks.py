@@ -685,3 +685,31 @@ def test_the_long_tail_workload_runs_our_three_rollout_modes_on_the_same_lengths
         assert plans[side][:len(plans["ours"])] == plans["ours"]
     tiny = w.tiny()
     assert load_config(root / tiny.recipe, side_plan(tiny, "ours-partial", "out", "m")[1]).generation.max_new_tokens == 16
+
+
+def test_trl_gets_our_forced_length_for_every_completion():
+    """benchmarks/trl_grpo.force_lengths: TRL's colocated vLLM call (one prompt copy per completion)
+    samples completion i of the run with our limit for sample i % G of group i // G, across calls."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+
+    from benchmarks.trl_grpo import force_lengths
+    from rlhf.config import load_config
+    from rlhf.data.lengths import forced_lengths
+
+    cfg = load_config(None, ["generation.forced_lengths=long_tail", "generation.max_new_tokens=4096",
+                             "grpo.group_size=4", "seed=3"])
+    seen = []
+
+    class FakeLLM:
+        def generate(self, prompts, sampling_params=None, **kwargs):
+            seen.extend(p.max_tokens for p in sampling_params)
+            return ["out"] * len(prompts)
+
+    llm = FakeLLM()
+    force_lengths(llm, cfg)
+    base = SamplingParams(max_tokens=4096, temperature=1.0)
+    assert llm.generate([[1]] * 8, sampling_params=base, use_tqdm=False) == ["out"] * 8
+    llm.generate([[1]] * 4, sampling_params=base)
+    assert seen == [n for g in range(3) for n in forced_lengths("long_tail", 4096, 3, g, 4)]
+    assert base.max_tokens == 4096 and len(set(seen)) > 1
