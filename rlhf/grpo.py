@@ -42,8 +42,8 @@ from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.errors import RunError
 from rlhf.evaluate import EvalSet, Evaluator
-from rlhf.protocols import Cluster, Generator
 from rlhf.partial import RolloutStream
+from rlhf.protocols import Cluster, Generator
 from rlhf.rollouts import RolloutQueue
 from rlhf.rules import checkpoint_due, scores_reference
 from rlhf.run.checkpoint import resume, save_checkpoint
@@ -62,7 +62,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     """
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
     rollout_queue = (RolloutQueue(cluster.generator, prompts, cfg, episodes) if cfg.grpo.rollouts == "batch"
-                     else RolloutStream(cluster.generator, prompts, cfg))  # streaming and partial rollouts
+                     else RolloutStream(cluster.generator, prompts, cfg, cluster.rewards))  # streaming, partial
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens,
                                           quantized_rollouts=cfg.generation.quantization != "none")

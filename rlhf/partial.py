@@ -18,6 +18,8 @@ Decisions (docs/design/grpo-loop.md, "Partial rollouts", has the reasons):
 - `stream` is the same with max_staleness 0 and overprovision 1: every group is due at once.
 - Only ended samples (EOS or limit) are trained; one an engine aborted by itself is continued and
   counted; an engine that dies stops the run before the step trains.
+- Scored as they finish: a group is scored (in one background thread) once its last sample ends,
+  while the engines go on; a step's reward metrics are its groups' merged.
 - Checkpointed: the stream position and every started, untrained group with its samples.
 
 Metrics (`partial/`): `continued_frac`, `staleness_mean` and `staleness_max` (of trained tokens),
@@ -27,14 +29,18 @@ Metrics (`partial/`): `continued_frac`, `staleness_mean` and `staleness_max` (of
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from rlhf.config import RunConfig
 from rlhf.data.lengths import forced_lengths
 from rlhf.data.stream import PromptStream
-from rlhf.protocols import SampleStream
+from rlhf.protocols import RewardScorer, SampleStream
 from rlhf.rollouts import sampling_spec
+from rlhf.scoring import merge_reward_metrics
 from rlhf.types import Completion, PromptRow, RolloutBatch, SampleRequest, mix_seed
 
 ENDED = ("stop", "length")
@@ -73,6 +79,7 @@ class Group:
     prompt_ids: list[int]
     version: int
     samples: list[Sample]
+    scored: Future | None = None  # (rewards [G], reward metrics), once complete
 
     @property
     def complete(self) -> bool:
@@ -83,9 +90,12 @@ class RolloutStream:
     """Step k's rollouts from streaming engines (the module docstring's rules); the loop's rollout
     source like rlhf.rollouts.RolloutQueue: `next`, `finish`, `state_dict`, `load_state_dict`."""
 
-    def __init__(self, engines: SampleStream, prompts: PromptStream, cfg: RunConfig) -> None:
+    def __init__(self, engines: SampleStream, prompts: PromptStream, cfg: RunConfig,
+                 scorer: RewardScorer | None = None) -> None:
+        """`scorer`: score each group as it completes ("Scored as they finish"); None: the caller scores."""
         g = cfg.grpo
-        self.engines, self.prompts, self.cfg = engines, prompts, cfg
+        self.engines, self.prompts, self.cfg, self.scorer = engines, prompts, cfg, scorer
+        self._scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring") if scorer is not None else None
         self.staleness = g.max_staleness if g.rollouts == "partial" else 0
         self.running_cap = math.ceil(g.overprovision * g.prompts_per_step) if g.rollouts == "partial" else g.prompts_per_step
         self.groups: dict[int, Group] = {}  # started and not trained, by id
@@ -110,15 +120,22 @@ class RolloutStream:
                                    "complete")
             again = self._receive(finished, step)
             self.engines.add([*again, *self._admit(step)], spec)
+            self._score_complete()
         self._receive(self.engines.pause(), step, paused=True)
+        self._score_complete()
         chosen = self._select(step)
         for group in chosen:
             del self.groups[group.id]
         completions = [s.completion() for group in chosen for s in group.samples]
-        return RolloutBatch(rows=[g.row for g in chosen], prompt_ids=[g.prompt_ids for g in chosen],
-                            completions=completions, group_size=size,
-                            engine_metrics={**self.engines.last_metrics(), **self._metrics(step, chosen)},
-                            version=min(g.version for g in chosen))
+        batch = RolloutBatch(rows=[g.row for g in chosen], prompt_ids=[g.prompt_ids for g in chosen],
+                             completions=completions, group_size=size,
+                             engine_metrics={**self.engines.last_metrics(), **self._metrics(step, chosen)},
+                             version=min(g.version for g in chosen))
+        if self.scorer is not None:
+            scores = [g.scored.result() for g in chosen]
+            batch.rewards = torch.cat([r for r, _ in scores])
+            batch.reward_metrics = merge_reward_metrics([(size, m) for _, m in scores])
+        return batch
 
     def finish(self) -> None:
         """Nothing runs between windows: each window ends with the engines paused."""
@@ -168,6 +185,15 @@ class RolloutStream:
                     again.append(self._request(group, key % size))
         return again
 
+    def _score_complete(self) -> None:
+        """Start scoring every complete group not yet scored ("Scored as they finish")."""
+        if self.scorer is None:
+            return
+        for g in self.groups.values():
+            if g.complete and g.scored is None:
+                tokens = [s.token_ids for s in g.samples]
+                g.scored = self._scoring.submit(self.scorer.score, [g.row] * len(tokens), tokens)
+
     def _due(self, step: int) -> list[Group]:
         return [g for g in self.groups.values() if g.version <= step - self.staleness]
 
@@ -203,8 +229,8 @@ class RolloutStream:
 
     def state_dict(self) -> dict[str, Any]:
         """The prompt stream's position and every started, untrained group ("Checkpointed")."""
-        groups = [dict(id=g.id, row=g.row, prompt_ids=g.prompt_ids, version=g.version,
-                       samples=[vars(s).copy() for s in g.samples]) for g in self.groups.values()]
+        groups = [{"id": g.id, "row": g.row, "prompt_ids": g.prompt_ids, "version": g.version,
+                   "samples": [vars(s).copy() for s in g.samples]} for g in self.groups.values()]
         return {**self.prompts.state_dict(), "partial": {"groups": groups, "next_group": self.next_group}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -79,11 +79,12 @@ def score(rollouts: RolloutBatch, scorer: RewardScorer, cfg: RunConfig, timer: P
     metrics; returns the over-long metrics."""
     g = cfg.grpo.group_size
     with timer("reward"):
-        rewards, rollouts.reward_metrics = scorer.score(
-            [rollouts.rows[i // g] for i in range(len(rollouts.completions))],
-            [c.model_token_ids() for c in rollouts.completions],  # the scorer decodes them, in one batch
-        )
-        rollouts.rewards = with_env_rewards(rewards, rollouts.completions)
+        if rollouts.rewards is None:  # else scored as they finished (rlhf.partial)
+            rollouts.rewards, rollouts.reward_metrics = scorer.score(
+                [rollouts.rows[i // g] for i in range(len(rollouts.completions))],
+                [c.model_token_ids() for c in rollouts.completions],  # the scorer decodes them, in one batch
+            )
+        rollouts.rewards = with_env_rewards(rollouts.rewards, rollouts.completions)
     if cfg.grpo.overlong != "shape":
         return {}
     max_len = cfg.generation.max_new_tokens

@@ -192,6 +192,22 @@ def _learned(f: RewardFnConfig, model: dict[str, Any], judge_engine: JudgeEngine
     return _Learned(judge_name(f.judge, f.judge_model), f.weight, judge.score)
 
 
+def merge_reward_metrics(parts: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One set of `score` metrics from those of several calls, each with its sample count: as if
+    the samples had been scored in one call. Means and fractions are weighted by samples, counts and
+    seconds add up, a rate is the samples over the summed seconds."""
+    total = sum(n for n, _ in parts)
+    out: dict[str, float] = {}
+    for n, metrics in parts:
+        for key, value in metrics.items():
+            weight = n / total if key.endswith(("/mean", "_frac")) and total else 1.0
+            out[key] = out.get(key, 0.0) + weight * value
+    for key in [k for k in out if k.endswith("/samples_per_s")]:
+        seconds = out.get(key.removesuffix("samples_per_s") + "time_s", 0.0)
+        out[key] = total / max(seconds, 1e-9)
+    return out
+
+
 def print_lines(lines: Sequence[str]) -> None:
     """Print terminal lines on stdout without breaking a progress bar that is showing."""
     from tqdm import tqdm

@@ -232,3 +232,37 @@ def test_long_tail_lengths_have_the_promised_shape():
     assert lengths.max() <= 16384 and lengths.min() >= 1
     assert forced_lengths("long_tail", 16384, 0, 7, 8) == forced_lengths("long_tail", 16384, 0, 7, 8)
     assert forced_lengths("none", 64, 0, 7, 3) == [64, 64, 64]
+
+
+class FakeScorer:
+    """Reward = the sample's length / 100; metrics as the reward pool's (a mean, a fraction, counts, seconds)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def score(self, rows, token_ids):
+        self.calls += 1
+        r = torch.tensor([len(t) / 100 for t in token_ids])
+        return r, {"reward/mean": float(r.mean()), "reward/f/failed_frac": float((r > 0.1).float().mean()),
+                   "reward/failed": float((r > 0.1).sum()), "reward/f/time_s": 0.5,
+                   "reward/f/samples_per_s": len(token_ids) / 0.5}
+
+
+def test_groups_are_scored_as_they_finish_and_metrics_merge_as_one_call():
+    cfg = _config(steps=4)
+    scorer = FakeScorer()
+    engine = FakeStream()
+    prompts = PromptStream([(PromptRow(prompt=str(i)), [i, i]) for i in range(1000)], seed=0)
+    stream = RolloutStream(engine, prompts, cfg, scorer)
+    runs = _run(stream, engine, range(4))
+    for r in runs:
+        lengths = torch.tensor([len(c.token_ids) / 100 for c in r.completions])
+        assert torch.equal(r.rewards, lengths)
+        _, whole = FakeScorer().score(r.rows, [c.token_ids for c in r.completions])
+        merged = dict(r.reward_metrics)
+        assert merged.pop("reward/f/time_s") == pytest.approx(0.5 * len(r.rows))
+        assert merged.pop("reward/f/samples_per_s") == pytest.approx(len(r.completions) / (0.5 * len(r.rows)))
+        for key in ("reward/f/time_s", "reward/f/samples_per_s"):
+            whole.pop(key)
+        assert merged == pytest.approx(whole)
+    assert scorer.calls >= sum(len(r.rows) for r in runs)  # one call a group, each as it completed
