@@ -18,6 +18,8 @@ Decisions (docs/design/grpo-loop.md, "Partial rollouts", has the reasons):
 - `stream` is the same with max_staleness 0 and overprovision 1: every group is due at once.
 - Only ended samples (EOS or limit) are trained; one an engine aborted by itself is continued and
   counted; an engine that dies stops the run before the step trains.
+- Split layouts (`cluster.placement: split`): the engines go on while the learners train, at the
+  same version, and stop at the push (`finish`); colocated, each window ends paused (they sleep).
 - Scored as they finish: a group is scored (in one background thread) once its last sample ends,
   while the engines go on; a step's reward metrics are its groups' merged.
 - Checkpointed: the stream position and every started, untrained group with its samples.
@@ -29,6 +31,7 @@ Metrics (`partial/`): `continued_frac`, `staleness_mean` and `staleness_max` (of
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,11 +99,17 @@ class RolloutStream:
         g = cfg.grpo
         self.engines, self.prompts, self.cfg, self.scorer = engines, prompts, cfg, scorer
         self._scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring") if scorer is not None else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="run-ahead")
         self.staleness = g.max_staleness if g.rollouts == "partial" else 0
         self.running_cap = math.ceil(g.overprovision * g.prompts_per_step) if g.rollouts == "partial" else g.prompts_per_step
         self.groups: dict[int, Group] = {}  # started and not trained, by id
         self.next_group = 0
         self.aborted = 0  # samples given back aborted outside a pause, this window
+        # "Split layouts": the engines go on while the learners train, until `finish`.
+        self.run_ahead = cfg.cluster.placement == "split"
+        self._ahead: Future | None = None
+        self._stop = threading.Event()
+        self._version = 0  # of the tokens being generated
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -108,21 +117,17 @@ class RolloutStream:
         """Step `step`'s rollouts: a window of generation with the weights of version `step` (the
         engines hold them: the loop pushes after every step), then the selected groups."""
         p, size = self.cfg.grpo.prompts_per_step, self.cfg.grpo.group_size
-        spec = sampling_spec(self.cfg, step)
-        self.aborted = 0
+        self.finish()
+        spec, self._version, self.aborted = sampling_spec(self.cfg, step), step, 0
         self.engines.add([self._request(g, j) for g in self.groups.values() for j, s in enumerate(g.samples)
                           if s.finish_reason is None], spec)
         self.engines.add(self._admit(step), spec)
         while not self._window_done(step):
-            finished = self.engines.poll()
-            if not finished:
+            if not self._generate(step, spec):
                 raise RuntimeError(f"step {step}: the engines ran dry with {self._complete_count()} of {p} groups "
                                    "complete")
-            again = self._receive(finished, step)
-            self.engines.add([*again, *self._admit(step)], spec)
-            self._score_complete()
-        self._receive(self.engines.pause(), step, paused=True)
-        self._score_complete()
+        if not self.run_ahead:
+            self._pause()
         chosen = self._select(step)
         for group in chosen:
             del self.groups[group.id]
@@ -135,10 +140,40 @@ class RolloutStream:
             scores = [g.scored.result() for g in chosen]
             batch.rewards = torch.cat([r for r, _ in scores])
             batch.reward_metrics = merge_reward_metrics([(size, m) for _, m in scores])
+        if self.run_ahead:  # "Split layouts"
+            self._ahead = self._thread.submit(self._generate_until_stopped, step, spec)
         return batch
 
     def finish(self) -> None:
-        """Nothing runs between windows: each window ends with the engines paused."""
+        """Stop the engines before a weight push: on a split layout they went on while the learners
+        trained; colocated, each window already ended paused."""
+        if self._ahead is not None:
+            self._stop.set()
+            try:
+                self._ahead.result()  # its failure is the step's
+            finally:
+                self._ahead = None
+                self._stop.clear()
+            self._pause()
+
+    def _generate(self, step: int, spec: Any) -> bool:
+        """One poll of the engines: its samples received, new groups admitted, complete ones scored.
+        False when nothing is in flight."""
+        finished = self.engines.poll()
+        if not finished:
+            return False
+        again = self._receive(finished, step)
+        self.engines.add([*again, *self._admit(step)], spec)
+        self._score_complete()
+        return True
+
+    def _generate_until_stopped(self, step: int, spec: Any) -> None:
+        while not self._stop.is_set() and self._generate(step, spec):
+            pass
+
+    def _pause(self) -> None:
+        self._receive(self.engines.pause(), self._version, paused=True)
+        self._score_complete()
 
     def more(self, step: int, round: int) -> RolloutBatch:
         raise RuntimeError("extra rounds (grpo.dynamic_sampling) are not streamed: config validation refuses it")
@@ -228,7 +263,9 @@ class RolloutStream:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """The prompt stream's position and every started, untrained group ("Checkpointed")."""
+        """The prompt stream's position and every started, untrained group ("Checkpointed"); the engines
+        stopped first, as before a push."""
+        self.finish()
         groups = [{"id": g.id, "row": g.row, "prompt_ids": g.prompt_ids, "version": g.version,
                    "samples": [vars(s).copy() for s in g.samples]} for g in self.groups.values()]
         return {**self.prompts.state_dict(), "partial": {"groups": groups, "next_group": self.next_group}}

@@ -71,3 +71,16 @@ def test_a_resumed_partial_run_continues_its_paused_samples_exactly(partial_run,
         assert got["partial/staleness_max"] <= 2
         for key in DETERMINISTIC:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+
+
+def test_split_engines_generate_while_the_learners_train_within_the_bound(tmp_path):
+    """cluster.placement=split, two engines in one bundle: samples go to whichever engine has room, the
+    engines go on while the learner trains and stop at the push; the bound holds on every step."""
+    out = tmp_path / "split"
+    _train(out, "cluster.placement=split", "cluster.generator_engines=2", "cluster.engines_per_gpu=2",
+           "save_every=-1")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS))
+    assert all(r["partial/staleness_max"] <= 2 and math.isfinite(r["loss"]) for r in records)
+    assert sum(r.get("gen/engine0_tokens", 0) for r in records) > 0
+    assert sum(r.get("gen/engine1_tokens", 0) for r in records) > 0
