@@ -199,9 +199,9 @@ def tree_pss_gib(pid: int) -> float:
     return total / 2**30
 
 
-def gpu_query(field: str) -> dict[str, float]:
-    """nvidia-smi's `field` (memory.used, memory.total) of every GPU of the host, index -> GiB; {}
-    without nvidia-smi."""
+def gpu_query(field: str, unit: float = 1024) -> dict[str, float]:
+    """nvidia-smi's `field` (memory.used, memory.total: GiB; utilization.gpu with `unit` 1: %) of every
+    GPU of the host, index -> value; {} without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return {}
     try:
@@ -209,7 +209,13 @@ def gpu_query(field: str) -> dict[str, float]:
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
-    return parse_gpu_query(out)
+    return parse_gpu_query(out, unit)
+
+
+def busy_sample(util: dict[str, float], watched: list[str] | None) -> float | None:
+    """The mean utilization.gpu (0..1) of the watched GPUs (all: None) in one sample; None without any."""
+    values = [v for k, v in util.items() if watched is None or k in watched]
+    return sum(values) / len(values) / 100 if values else None
 
 
 def visible_gpus(env: dict[str, str]) -> list[str]:
@@ -277,14 +283,15 @@ def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
 
 def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | None, timeout: float,
            poll_s: float = 1.0) -> dict[str, Any]:
-    """Run `cmd` to completion, sampling its process tree's memory and the memory.used of each GPU
-    it may use (`visible_gpus(env)`; every GPU without CUDA_VISIBLE_DEVICES). With `metrics` (our
-    metrics.jsonl), also find when step 0 started (`first_step_start`)."""
+    """Run `cmd` to completion, sampling its process tree's memory and the memory.used and
+    utilization.gpu of each GPU it may use (`visible_gpus(env)`; every GPU without
+    CUDA_VISIBLE_DEVICES). With `metrics` (our metrics.jsonl), also find when step 0 started
+    (`first_step_start`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     t_launch = time.time()
     env = {**env, "BENCH_T0": repr(t_launch)}
     watched = visible_gpus(env) if env.get("CUDA_VISIBLE_DEVICES") is not None else None
-    peak_mem, gpu_peaks, step0_start, timed_out = 0.0, {}, None, False
+    peak_mem, gpu_peaks, step0_start, timed_out, busy = 0.0, {}, None, False, []
     with log.open("w") as out:
         cores = f"  # on cores {env['BENCH_CPUS']}" if env.get("BENCH_CPUS") else ""
         out.write("$ " + shlex.join(cmd) + cores + "\n")
@@ -296,6 +303,8 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
             while proc.poll() is None:
                 peak_mem = max(peak_mem, tree_pss_gib(proc.pid))
                 gpu_peaks = merge_peaks(gpu_peaks, gpu_query("memory.used"), watched)
+                if (util := busy_sample(gpu_query("utilization.gpu", unit=1), watched)) is not None:
+                    busy.append((round(time.time() - t_launch, 1), util))
                 if metrics is not None and step0_start is None:
                     step0_start = first_step_start(metrics)
                 if time.time() - t_launch > timeout:
@@ -308,6 +317,7 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
     return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t_launch,
             "peak_mem_gib": peak_mem,
             "peak_gpu_gib": max(gpu_peaks.values(), default=None), "peak_gpu_gib_per_gpu": gpu_peaks,
+            "gpu_busy_samples": busy,
             "startup_s": None if step0_start is None else step0_start - t_launch,
             "log": str(log), "command": shlex.join(cmd), "cpus": env.get("BENCH_CPUS")}
 

@@ -36,6 +36,7 @@ GRPO_ROWS: tuple[tuple[str, str, str], ...] = (
     ("mfu_min", "learner MFU, lowest of steps 1..N-1", "higher"),
     ("sync_s", "weight sync s", "lower"),
     ("reward_s", "reward s", "lower"),
+    ("gpu_busy", "GPU busy share after start-up (nvidia-smi utilization, 1 s samples)", "higher"),
     ("peak_mem_gib", "peak memory GiB, process tree PSS", "lower"),
     ("peak_gpu_gib", "peak GPU memory GiB, nvidia-smi, busiest GPU of the side", "lower"),
     ("gpus", "GPUs (nvidia-smi index)", ""),
@@ -118,14 +119,14 @@ def ours_dpo_steps(metrics: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # nvidia-smi, per GPU
 
 
-def parse_gpu_query(text: str) -> dict[str, float]:
-    """`nvidia-smi --query-gpu=index,<field> --format=csv,noheader,nounits` (MiB) -> index -> GiB;
-    lines without a number (`[N/A]`) are left out."""
+def parse_gpu_query(text: str, unit: float = 1024) -> dict[str, float]:
+    """`nvidia-smi --query-gpu=index,<field> --format=csv,noheader,nounits` -> index -> value / unit
+    (MiB -> GiB by default); lines without a number (`[N/A]`) are left out."""
     out = {}
     for line in text.splitlines():
         index, _, value = (x.strip() for x in line.partition(","))
         try:
-            out[index] = float(value) / 1024
+            out[index] = float(value) / unit
         except ValueError:
             continue
     return out
@@ -199,6 +200,7 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
         "train_tokens_per_s": _median([_rate(s.get("train_tokens", 0.0), s.get("train_s")) for s in timed]),
         "mfu": _median([s.get("mfu") for s in timed]),
         "mfu_min": min((s["mfu"] for s in timed if s.get("mfu") is not None), default=None),
+        "gpu_busy": busy_share(side.get("gpu_busy_samples") or [], side.get("startup_s")),
     }
     if algorithm == "grpo":
         out.update(
@@ -221,6 +223,13 @@ def summarize(side: dict[str, Any], algorithm: str) -> dict[str, Any]:
             margin_per_step=[s["margin"] for s in steps],
         )
     return out
+
+
+def busy_share(samples: Sequence[Sequence[float]], startup_s: float | None) -> float | None:
+    """The mean of (seconds since launch, utilization 0..1) samples taken after start-up: the share of
+    the steps' time a kernel ran on the side's GPUs (None without samples or start-up time)."""
+    after = [u for t, u in samples if startup_s is not None and t >= startup_s]
+    return sum(after) / len(after) if after else None
 
 
 def ratios(ours: dict[str, Any], other: dict[str, Any], algorithm: str) -> dict[str, float | None]:

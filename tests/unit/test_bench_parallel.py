@@ -161,7 +161,9 @@ def test_launch_keeps_the_peak_of_each_gpu_it_was_given(monkeypatch, tmp_path):
     leaves), so the peak is the same however busy the machine is."""
     samples, flag = iter([{"0": 70.0, "1": 3.0}, {"0": 71.0, "1": 9.0}, {"0": 72.0, "1": 6.0}]), tmp_path / "sampled"
 
-    def gpu_query(field: str) -> dict[str, float]:
+    def gpu_query(field: str, unit: float = 1024) -> dict[str, float]:
+        if field == "utilization.gpu":
+            return {"0": 100.0, "1": 40.0}
         sample = next(samples, None)
         if sample is None:
             flag.touch()
@@ -173,6 +175,7 @@ def test_launch_keeps_the_peak_of_each_gpu_it_was_given(monkeypatch, tmp_path):
                      log=tmp_path / "log.txt", metrics=None, timeout=60, poll_s=0.05)
     assert out["returncode"] == 0
     assert out["peak_gpu_gib_per_gpu"] == {"1": 9.0} and out["peak_gpu_gib"] == 9.0  # GPU 0's 72 GiB is not its
+    assert out["gpu_busy_samples"] and all(u == 0.4 for _, u in out["gpu_busy_samples"])  # GPU 1's alone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ def test_a_pinned_command_and_the_processes_it_starts_run_on_its_cores(tmp_path)
 
 
 def test_launch_runs_a_side_on_its_cores_and_records_them(monkeypatch, tmp_path):
-    monkeypatch.setattr(run, "gpu_query", lambda field: {})
+    monkeypatch.setattr(run, "gpu_query", lambda field, unit=1024: {})
     core = min(os.sched_getaffinity(0))
     out = run.launch([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
                      env={**os.environ, "BENCH_CPUS": str(core)}, log=tmp_path / "log.txt", metrics=None,
@@ -339,7 +342,7 @@ def test_a_tuned_trl_sides_tries_share_its_time(monkeypatch, tmp_path, capsys, f
 
     clock, limits = {"now": 0.0}, []
     monkeypatch.setattr(run, "time", SimpleNamespace(monotonic=lambda: clock["now"]))
-    monkeypatch.setattr(run, "gpu_query", lambda field: {"0": 139.8})
+    monkeypatch.setattr(run, "gpu_query", lambda field, unit=1024: {"0": 139.8})
 
     def try_batch(name, script, w, overrides, side_dir, env, timeout, extra):
         limits.append((side_dir.name, timeout))
@@ -532,3 +535,17 @@ def test_a_side_stopped_after_some_steps_counts_and_the_record_says_so(monkeypat
     [record] = [json.loads(line) for line in (tmp_path / "results" / "grpo-gpu.jsonl").read_text().splitlines()]
     assert rc == 1 and record["summary"]["trl-vllm"]["step_s"] == 28.5  # steps 1-2
     assert "trl-vllm was stopped at its 235 s limit after 3 of 5 steps: its figures are steps 1-2" in record["notes"]
+
+
+def test_gpu_busy_share_is_the_mean_utilization_after_start_up():
+    from benchmarks.run import busy_sample
+    from benchmarks.summary import busy_share, summarize
+
+    assert parse_gpu_query("0, 87\n1, [N/A]\n", unit=1) == {"0": 87.0}
+    assert busy_sample({"0": 80.0, "1": 40.0, "2": 0.0}, ["0", "1"]) == pytest.approx(0.6)
+    assert busy_sample({}, None) is None and busy_sample({"3": 10.0}, ["0"]) is None
+    samples = [(1.0, 0.0), (5.0, 0.1), (10.0, 0.9), (11.0, 0.5)]
+    assert busy_share(samples, 10.0) == pytest.approx(0.7)  # start-up's idle seconds left out
+    assert busy_share(samples, None) is None and busy_share([], 3.0) is None
+    assert summarize({"steps": [], "gpu_busy_samples": samples, "startup_s": 5.0}, "grpo")["gpu_busy"] == \
+        pytest.approx(0.5)
