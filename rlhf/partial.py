@@ -16,8 +16,8 @@ Decisions (docs/design/grpo-loop.md, "Partial rollouts", has the reasons):
 - Continued samples go back as prompt + their tokens with what is left of their limit; each token
   keeps its version (`Completion.versions`) and log-prob, so importance weights are per token.
 - `stream` is the same with max_staleness 0 and overprovision 1: every group is due at once.
-- Only ended samples (EOS or limit) are trained; one an engine aborted by itself is continued and
-  counted; an engine that dies stops the run before the step trains.
+- Only ended samples (EOS or limit) are trained; one an engine aborted by itself is continued,
+  counted and said; an engine that dies stops the run before the step trains.
 - Split layouts (`cluster.placement: split`): the engines go on while the learners train, at the
   same version, and stop at the push (`finish`); colocated, each window ends paused (they sleep).
 - Scored as they finish: a group is scored (in one background thread) once its last sample ends,
@@ -43,7 +43,7 @@ from rlhf.data.lengths import forced_lengths
 from rlhf.data.stream import PromptStream
 from rlhf.protocols import RewardScorer, SampleStream
 from rlhf.rollouts import sampling_spec
-from rlhf.scoring import merge_reward_metrics
+from rlhf.scoring import merge_reward_metrics, print_lines
 from rlhf.types import Completion, PromptRow, RolloutBatch, SampleRequest, mix_seed
 
 ENDED = ("stop", "length")
@@ -140,6 +140,9 @@ class RolloutStream:
             scores = [g.scored.result() for g in chosen]
             batch.rewards = torch.cat([r for r, _ in scores])
             batch.reward_metrics = merge_reward_metrics([(size, m) for _, m in scores])
+        if self.aborted:  # said, as well as counted
+            print_lines([f"warning: step {step}: the engines aborted {self.aborted} samples by themselves; each is "
+                         "continued from the tokens it had and trained only once it ends (partial/aborted_samples)"])
         if self.run_ahead:  # "Split layouts"
             self._ahead = self._thread.submit(self._generate_until_stopped, step, spec)
         return batch

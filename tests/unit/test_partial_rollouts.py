@@ -189,12 +189,13 @@ def test_a_resumed_stream_continues_exactly_and_keeps_the_bound():
         _check_tokens(b, k, 2)
 
 
-def test_a_sample_the_engine_aborted_is_continued_and_counted_never_trained_short():
+def test_a_sample_the_engine_aborted_is_continued_and_counted_never_trained_short(capsys):
     cfg = _config(rollouts="stream", staleness=0, over=1.0, steps=2)
     stream, engine = _stream(cfg)
     engine.abort_once = {0, 3}
     r = stream.next(0)
     assert r.engine_metrics["partial/aborted_samples"] == 2
+    assert "step 0: the engines aborted 2 samples by themselves" in capsys.readouterr().out
     _check_tokens(r, 0, 0)
     lengths = [len(c.token_ids) for c in r.completions]
     assert lengths == [n for gid in range(4) for n in forced_lengths("long_tail", 40, 0, gid, 2)]
