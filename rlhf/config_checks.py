@@ -103,8 +103,9 @@ def _streaming(c: RunConfig) -> None:
               "needs vLLM's engine)", g.rollouts)
         check(not g.dynamic_sampling, "grpo.dynamic_sampling", f"false with grpo.rollouts={g.rollouts}",
               g.dynamic_sampling)
-        check(not c.env.tools and c.env.environment is None, "grpo.rollouts", "batch with multi-turn episodes "
-              "(env.tools or env.environment): episodes are not streamed yet", g.rollouts)
+        check(g.rollouts != "partial" or (not c.env.tools and c.env.environment is None), "grpo.rollouts",
+              "batch or stream with multi-turn episodes (env.tools or env.environment): a paused episode's "
+              "environment is not checkpointed", g.rollouts)
     check(c.generation.forced_lengths == "none" or c.generation.backend == "vllm", "generation.forced_lengths",
           "none with generation.backend=hf (per-sample limits are vLLM requests)", c.generation.forced_lengths)
 

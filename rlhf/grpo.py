@@ -62,7 +62,7 @@ def run_grpo(cfg: RunConfig, cluster: Cluster, prompts: PromptStream, tokenizer:
     """
     episodes = EpisodeSampler.from_config(cfg.env, cluster.generator, tokenizer)  # multi-turn with env.tools
     rollout_queue = (RolloutQueue(cluster.generator, prompts, cfg, episodes) if cfg.grpo.rollouts == "batch"
-                     else RolloutStream(cluster.generator, prompts, cfg, cluster.rewards))  # streaming, partial
+                     else RolloutStream(cluster.generator, prompts, cfg, cluster.rewards, episodes))
     start = resume(cfg.output_dir, cfg.resume, cluster.learners, rollout_queue)
     objective = GRPOObjective.from_config(cfg.grpo, max_len=cfg.generation.max_new_tokens,
                                           quantized_rollouts=cfg.generation.quantization != "none")

@@ -15,7 +15,8 @@ Decisions (docs/design/grpo-loop.md, "Partial rollouts", has the reasons):
   P only when more are due at once (`partial/extra_groups`).
 - Continued samples go back as prompt + their tokens with what is left of their limit; each token
   keeps its version (`Completion.versions`) and log-prob, so importance weights are per token.
-- `stream` is the same with max_staleness 0 and overprovision 1: every group is due at once.
+- `stream` is the same with max_staleness 0 and overprovision 1: every group is due at once; a
+  sample may be a multi-turn episode there (rlhf.env.episodes.EpisodeStream).
 - Only ended samples (EOS or limit) are trained; one an engine aborted by itself is continued,
   counted and said; an engine that dies stops the run before the step trains.
 - Split layouts (`cluster.placement: split`): the engines go on while the learners train, at the
@@ -41,6 +42,7 @@ import torch
 from rlhf.config import RunConfig
 from rlhf.data.lengths import forced_lengths
 from rlhf.data.stream import PromptStream
+from rlhf.env.episodes import EpisodeSampler, EpisodeStream
 from rlhf.protocols import RewardScorer, SampleStream
 from rlhf.rollouts import sampling_spec
 from rlhf.scoring import merge_reward_metrics, print_lines
@@ -58,8 +60,13 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # None: not ended (running or paused)
+    mask: list[bool] | None = None  # an episode's (rlhf.env.episodes)
+    reward: float | None = None  # an episode's environment reward
 
     def extend(self, c: Completion, version: int) -> None:
+        if c.mask is not None or self.mask is not None:
+            self.mask = (self.mask or [True] * len(self.token_ids)) + (c.mask or [True] * len(c.token_ids))
+        self.reward = c.reward if c.reward is not None else self.reward
         self.token_ids += c.token_ids
         self.logprobs += c.logprobs
         self.versions += [version] * len(c.token_ids)
@@ -70,6 +77,7 @@ class Sample:
 
     def completion(self) -> Completion:
         return Completion(list(self.token_ids), list(self.logprobs), self.finish_reason or "abort",
+                          mask=None if self.mask is None else list(self.mask), reward=self.reward,
                           versions=list(self.versions))
 
 
@@ -94,10 +102,13 @@ class RolloutStream:
     source like rlhf.rollouts.RolloutQueue: `next`, `finish`, `state_dict`, `load_state_dict`."""
 
     def __init__(self, engines: SampleStream, prompts: PromptStream, cfg: RunConfig,
-                 scorer: RewardScorer | None = None) -> None:
-        """`scorer`: score each group as it completes ("Scored as they finish"); None: the caller scores."""
+                 scorer: RewardScorer | None = None, episodes: EpisodeSampler | None = None) -> None:
+        """`scorer`: score each group as it completes ("Scored as they finish"); None: the caller scores.
+        `episodes`: a sample is a multi-turn episode, each advancing on its own (EpisodeStream)."""
         g = cfg.grpo
-        self.engines, self.prompts, self.cfg, self.scorer = engines, prompts, cfg, scorer
+        self.episodes = EpisodeStream(engines, episodes) if episodes is not None else None
+        self.engines = self.episodes or engines
+        self.prompts, self.cfg, self.scorer = prompts, cfg, scorer
         self._scoring = ThreadPoolExecutor(1, thread_name_prefix="scoring") if scorer is not None else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="run-ahead")
         self.staleness = g.max_staleness if g.rollouts == "partial" else 0
@@ -196,6 +207,8 @@ class RolloutStream:
                                     self.cfg.seed, g, self.cfg.grpo.group_size)
             group = Group(g, row, list(ids), step, [Sample(limit) for limit in limits])
             self.groups[g], self.next_group = group, g + 1
+            for j in range(len(limits)) if self.episodes is not None else ():
+                self.episodes.start(self.samples_key(group, j), row)
             requests += [self._request(group, j) for j in range(len(group.samples))]
         return requests
 
@@ -229,7 +242,7 @@ class RolloutStream:
             return
         for g in self.groups.values():
             if g.complete and g.scored is None:
-                tokens = [s.token_ids for s in g.samples]
+                tokens = [s.completion().model_token_ids() for s in g.samples]
                 g.scored = self._scoring.submit(self.scorer.score, [g.row] * len(tokens), tokens)
 
     def _due(self, step: int) -> list[Group]:

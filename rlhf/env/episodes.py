@@ -24,6 +24,8 @@ Decisions (each a section of docs/design/episodes.md):
   single-turn one; reaching it ends the episode (`token_budget`).
 - Rewards: an episode ended with `Observation.reward` keeps it; otherwise `reward.functions` score
   the model's own tokens (`Completion.model_token_ids`: tool outputs left out).
+- Streamed episodes (`EpisodeStream`, `grpo.rollouts: stream`): each episode's next turn is sent as
+  soon as the environment has read its last one, never waiting for the step's other episodes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import inspect
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,11 +41,11 @@ import torch
 
 from rewards.api import RewardLoadError, load_function
 from rlhf.errors import ConfigError
-from rlhf.protocols import Generator
+from rlhf.protocols import Generator, SampleStream
 from rlhf.run.metrics import add_engine_metrics
 from rlhf.env.sandbox import MODES, SandboxMode, use_mode
 from rlhf.env.tools import ToolBox, parse_tool_calls
-from rlhf.types import Completion, PromptRow, SamplingSpec
+from rlhf.types import Completion, PromptRow, SampleRequest, SamplingSpec, mix_seed
 
 if TYPE_CHECKING:
     from rlhf.config import EnvConfig
@@ -287,6 +289,103 @@ class EpisodeSampler:
         completions, metrics = run_episodes(self.generator, rows, prompt_ids, sampling, self.environment,
                                             self.suffix, max_turns=self.max_turns, decode=self.decode)
         return completions, {**metrics, "env/sandbox_isolated": float(MODES[self.sandbox].namespaces)}
+
+
+class EpisodeStream:
+    """A SampleStream of whole episodes over the engines' stream of turns ("Streamed episodes"). A
+    request is an episode's first turn (`start` names its row first); each turn that ends is read by
+    the environment in a thread pool and the episode's next turn is sent at once, seeded from
+    (request seed, tokens so far); a key comes back from `poll` when its episode ends, as one
+    Completion of all its turns (mask, environment reward). Episodes end within a window (on-policy
+    streaming): `pause` with one still running is an error."""
+
+    def __init__(self, turns: SampleStream, sampler: EpisodeSampler, pool: Any = None) -> None:
+        """`pool`: where the environments read turns (an Executor; default 8 threads)."""
+        self.turns, self.sampler = turns, sampler
+        self._pool = pool or ThreadPoolExecutor(8, thread_name_prefix="env")
+        self._rows: dict[int, PromptRow] = {}
+        self._runs: dict[int, tuple[_Run, int, int | None]] = {}  # key -> (run, token budget, seed)
+        self._stepping: dict[Future, int] = {}  # the environment reading a turn, -> key
+        self._on_engines = 0  # turns sent and not back
+        self._carried: dict[int, int] = {}  # tokens of a turn the engine aborted and that goes on
+        self._ended: list[_Run] = []  # since the last pause, for the metrics
+        self._done: list[tuple[int, Completion]] = []
+        self._sampling: SamplingSpec | None = None
+        self._metrics: dict[str, float] = {}
+
+    def start(self, key: int, row: PromptRow) -> None:
+        self._rows[key] = row
+
+    def add(self, requests: Sequence[SampleRequest], sampling: SamplingSpec) -> None:
+        self._sampling = sampling
+        for r in requests:
+            run = _Run(list(r.prompt_ids), self.sampler.environment(self._rows.pop(r.key)))
+            self._runs[r.key] = (run, r.max_new_tokens, r.seed)
+        self._on_engines += len(requests)
+        self.turns.add(requests, sampling)
+
+    def poll(self) -> list[tuple[int, Completion]]:
+        while not self._done:
+            for future in [f for f in self._stepping if f.done()]:
+                self._observed(self._stepping.pop(future), future.result())
+            if self._done:
+                break
+            if self._on_engines:
+                for key, c in self.turns.poll():
+                    self._on_engines -= 1
+                    self._turn_ended(key, c)
+            elif self._stepping:
+                wait(list(self._stepping), return_when=FIRST_COMPLETED)
+            else:
+                return []
+        done, self._done = self._done, []
+        return done
+
+    def pause(self) -> list[tuple[int, Completion]]:
+        if self._runs:
+            raise RuntimeError(f"{len(self._runs)} episodes still running at a pause: episodes end within a window")
+        finished = self.turns.pause()
+        self._metrics = {**self.turns.last_metrics(), **_metrics(self._ended, {})} if self._ended else {}
+        self._metrics["env/sandbox_isolated"] = float(MODES[self.sampler.sandbox].namespaces)
+        self._ended = []
+        return finished
+
+    def last_metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    def _turn_ended(self, key: int, c: Completion) -> None:
+        run, budget, _ = self._runs[key]
+        start = len(run.token_ids) - self._carried.pop(key, 0)  # where this turn began
+        if c.finish_reason not in ("stop", "length"):  # the engine aborted it: the same turn goes on
+            run.token_ids += c.token_ids
+            run.logprobs += c.logprobs
+            run.mask += [True] * len(c.token_ids)
+            self._carried[key] = len(run.token_ids) - start
+            return self._send(key)
+        _take_turn(run, c, budget)
+        if run.end is not None:
+            return self._end(key)
+        turn = self.sampler.decode(run.token_ids[start:])
+        self._stepping[self._pool.submit(run.episode.step, turn)] = key
+
+    def _observed(self, key: int, obs: Observation) -> None:
+        run, budget, _ = self._runs[key]
+        _observe(run, obs, self.sampler.suffix, self.sampler.max_turns, budget)
+        if run.end is not None:
+            return self._end(key)
+        self._send(key)
+
+    def _send(self, key: int) -> None:
+        run, budget, seed = self._runs[key]
+        seed = None if seed is None else mix_seed(seed, len(run.token_ids))
+        self._on_engines += 1
+        self.turns.add([SampleRequest(key, run.prompt_ids + run.token_ids, budget - len(run.token_ids), seed)],
+                       self._sampling)
+
+    def _end(self, key: int) -> None:
+        run, _, _ = self._runs.pop(key)
+        self._ended.append(run)
+        self._done.append((key, _completion(run)))
 
 
 def with_env_rewards(rewards: torch.Tensor, completions: Sequence[Completion]) -> torch.Tensor:

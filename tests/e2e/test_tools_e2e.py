@@ -41,3 +41,18 @@ def test_a_tool_that_fails_to_import_stops_before_start_up(tmp_path):
     assert proc.returncode == 2
     assert "env.tools[0]" in proc.stderr and "no_such_tool" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_streamed_episodes_run_with_tools_end_to_end(tmp_path):
+    """grpo.rollouts=stream: each episode's turns go to the engine as its own tool calls return
+    (rlhf.env.episodes.EpisodeStream); the same metrics, every episode ended once."""
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", tmp_path, "grpo.steps=2",
+                        "save_every=0", "data.num_train=16", "data.num_eval=4", "grpo.rollouts=stream",
+                        "env.tools=[rlhf.env.tools:calculator, rlhf.env.tools:python]", "env.max_turns=3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    assert len(records) == 2
+    for r in records:
+        assert all(k in r for k in ENV_KEYS), sorted(r)
+        assert r["env/end/answer"] + r["env/end/max_turns"] + r["env/end/token_budget"] == pytest.approx(1.0)
+        assert r["response/count"] == 16 and r["partial/continued_frac"] == 0

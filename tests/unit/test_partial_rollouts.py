@@ -38,10 +38,14 @@ class FakeStream:
         self.abort_once: set[int] = set()  # keys the engine aborts by itself at their next token
         self.ticks = 0
         self.fail = False
+        self.turn_tokens = None  # key -> tokens after which a request stops ("stop"), for episodes
+        self.added: dict[int, list[int]] = {}  # key -> ticks at which its requests came
 
     def add(self, requests, sampling):
         assert sampling.n >= 2
         self.waiting += list(requests)
+        for r in requests:
+            self.added.setdefault(r.key, []).append(self.ticks)
 
     def _fill(self):
         while self.waiting and len(self.running) < self.room:
@@ -63,6 +67,8 @@ class FakeStream:
                     done.append((key, self._completion(r, toks, "abort")))
                 elif len(toks) == r.max_new_tokens:
                     done.append((key, self._completion(r, toks, "length")))
+                elif self.turn_tokens and len(toks) == self.turn_tokens(key):
+                    done.append((key, self._completion(r, toks, "stop")))
             for key, _ in done:
                 del self.running[key]
             if done:
@@ -215,7 +221,8 @@ def test_an_engine_failure_stops_the_step_before_anything_is_trained():
     (["grpo.rollouts=partial", "grpo.max_staleness=1", "grpo.overprovision=3"], "grpo.overprovision=3.0 is not"),
     (["grpo.rollouts=stream", "generation.backend=hf"], "streaming needs vLLM"),
     (["grpo.rollouts=stream", "grpo.dynamic_sampling=true"], "false with grpo.rollouts=stream"),
-    (["grpo.rollouts=stream", "env.tools=[rlhf.env.tools:calculator]"], "episodes are not streamed"),
+    (["grpo.rollouts=partial", "grpo.max_staleness=1", "env.tools=[rlhf.env.tools:calculator]"],
+     "environment is not checkpointed"),
     (["generation.forced_lengths=long_tail", "generation.backend=hf"], "per-sample limits are vLLM"),
 ])
 def test_streaming_settings_that_cannot_run_are_one_line(overrides, message):
@@ -291,3 +298,56 @@ def test_on_a_split_layout_the_engines_go_on_while_the_learners_train():
         engine.version = step + 1
     assert len(trained) == len(set(trained)) and sum(ticks) > 0  # decoding went on between steps
     assert threading.active_count() < 50
+
+
+class Inline:
+    """An Executor that runs each job at once: the environment's answers in a deterministic order."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+
+class CountTurns:
+    """Done with reward = turns once the model has written `row.answer` turns; else one more user message."""
+
+    def __init__(self, row):
+        self.need, self.seen = int(row.answer), 0
+
+    def step(self, turn):
+        from rlhf.env.episodes import Observation
+
+        self.seen += 1
+        if self.seen >= self.need:
+            return Observation(done=True, reward=float(self.seen))
+        return Observation(messages=[{"role": "user", "content": "more"}])
+
+
+def test_streamed_episodes_advance_each_on_its_own_turns():
+    """grpo.rollouts=stream with an environment: an episode's next turn is sent the tick its last turn
+    ended (its environment answered at once), whatever the other episodes do; each comes back as one
+    completion, tool tokens masked, with the environment's reward."""
+    from rlhf.env.episodes import EpisodeSampler, EpisodeStream
+
+    cfg = _config(rollouts="stream", staleness=0, over=1.0, steps=2, extra=["generation.forced_lengths=none"])
+    engine = FakeStream()
+    engine.turn_tokens = lambda key: 1 + key % 4  # turns of different lengths
+    sampler = EpisodeSampler(None, CountTurns, lambda messages, last: [7, 7], lambda ids: " ".join(map(str, ids)),
+                             max_turns=5)
+    prompts = PromptStream([(PromptRow(prompt=str(i), answer=str(1 + i % 3)), [i, i]) for i in range(100)], seed=0)
+    stream = RolloutStream(engine, prompts, cfg, episodes=sampler)
+    stream.episodes._pool = Inline()
+    r = stream.next(0)
+    for i, c in enumerate(r.completions):
+        need, key = int(r.rows[i // 2].answer), c.token_ids[0] // 1000
+        assert c.reward == need and c.finish_reason == "stop"
+        assert c.mask == ([True] * (1 + key % 4) + [False, False]) * (need - 1) + [True] * (1 + key % 4)
+        assert [t for t, m in zip(c.token_ids, c.mask) if not m] == [7, 7] * (need - 1)
+        ends, adds = [], engine.added[key]
+        for turn in range(need - 1):  # turn t + 1 came the tick turn t ended: t+1 turns of this episode's length
+            ends.append(adds[turn] + 1 + key % 4)
+        assert adds[1:] == ends
+    assert r.engine_metrics["env/turns_max"] == 3 and r.engine_metrics["env/end/answer"] == 1.0
