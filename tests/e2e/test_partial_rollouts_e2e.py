@@ -84,3 +84,31 @@ def test_split_engines_generate_while_the_learners_train_within_the_bound(tmp_pa
     assert all(r["partial/staleness_max"] <= 2 and math.isfinite(r["loss"]) for r in records)
     assert sum(r.get("gen/engine0_tokens", 0) for r in records) > 0
     assert sum(r.get("gen/engine1_tokens", 0) for r in records) > 0
+
+
+def test_an_engine_killed_mid_run_is_said_and_the_run_resumes_within_the_bound(tmp_path):
+    """The engine is SIGKILLed once checkpoint 2 is written, with ten steps to go (a checkpoint each, so
+    the kill lands mid-run): the run stops with one line naming the engine and the checkpoint to resume
+    from; what the engine was generating is in no checkpoint and no step; resume=true completes the run
+    with every step within the bound. (Exact resume: the test above.)"""
+    import re
+    import time
+
+    from rlhf.run.checkpoint import MANIFEST, checkpoint_root
+    from tests.support.runs import kill_titled, run_log
+
+    out, steps = tmp_path / "killed", ["grpo.steps=12", "save_every=1", "keep_checkpoints=2"]
+    proc = run_training("scripts/train_grpo.py", "configs/grpo_tiny_cpu.yaml", out, *PARTIAL, *steps, wait=False)
+    deadline = time.time() + 600
+    while not (checkpoint_root(out) / "step_000002" / MANIFEST).exists():
+        assert proc.poll() is None and time.time() < deadline, run_log(out).read_text()[-3000:]
+        time.sleep(0.05)
+    kill_titled(proc.pid, "ray::VLLMGenerator")
+    assert proc.wait(300) == 1, run_log(out).read_text()[-3000:]
+    errors = [s for s in re.split(r"[\r\n]", run_log(out).read_text()) if s.startswith("error:")]
+    assert len(errors) == 1 and re.match(r"error: engine 0 (died|became unreachable) during [\w -]+", errors[0]), errors
+    resumed_from = int(re.search(r"Resume from \S+/checkpoints/step_(\d{6}) with resume=true", errors[0])[1])
+    _train(out, *steps, "resume=true")
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(12)) and resumed_from >= 2
+    assert all(r["partial/staleness_max"] <= 2 and math.isfinite(r["loss"]) for r in records)
