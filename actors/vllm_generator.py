@@ -143,6 +143,8 @@ class VLLMGenerator:
         `first_index`: the step-wide index of prompt_ids[0] (its seed: "Seeding" in the module docstring)."""
         from vllm.inputs import TokensPrompt
 
+        if self._streaming:  # LLM.generate would take their outputs for its own
+            raise RuntimeError(f"generate with {len(self._streaming)} streaming samples running: stop_stream first")
         self._ready_to_generate()
         # vLLM refuses n > 1 with greedy decoding, and forced lengths differ per sample: send each
         # prompt n times then (same grouping), sample j seeded with prompt_seed(i) + j as vLLM would.

@@ -382,13 +382,15 @@ def test_streamed_samples_are_their_seeds_and_forced_lengths_their_own(vllm_gen)
     assert [c.token_ids for c in tail] == [c.token_ids for c in out[2:]]
 
 
-def test_sleep_with_streaming_samples_running_is_refused(vllm_gen):
+def test_sleep_or_generate_with_streaming_samples_running_is_refused(vllm_gen):
     from rlhf.types import SampleRequest
 
     sampling = SamplingSpec(n=1, max_new_tokens=40, temperature=1.0, ignore_eos=True)
     vllm_gen.stream([SampleRequest(5, PROMPTS[0], 40, seed=1), SampleRequest(6, PROMPTS[1], 2, seed=1)], sampling)
     with pytest.raises(RuntimeError, match="stop_stream first"):
         vllm_gen.sleep()
+    with pytest.raises(RuntimeError, match="stop_stream first"):
+        vllm_gen.generate(PROMPTS, sampling)
     assert [k for k, _ in vllm_gen.stop_stream()] == [5]
     vllm_gen.sleep()
 
