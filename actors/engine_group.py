@@ -88,14 +88,17 @@ class EngineGroup:
         self._waiting.extend(requests)
         self._dispatch()
 
-    def poll(self) -> list[tuple[int, Completion]]:
-        while True:
+    def poll(self, timeout_s: float | None = None) -> list[tuple[int, Completion]]:
+        end = None if timeout_s is None else time.perf_counter() + timeout_s
+        while end is None or time.perf_counter() < end:
             self._dispatch()
             if not self._calls:
                 return []
-            ready, _ = ray.wait(list(self._calls), num_returns=1)
-            if finished := self._take(ready[0]):  # a call may end on its time limit with none
+            left = None if end is None else max(end - time.perf_counter(), 0.0)
+            ready, _ = ray.wait(list(self._calls), num_returns=1, timeout=left)
+            if ready and (finished := self._take(ready[0])):  # a call may end on its time limit with none
                 return finished
+        return []
 
     def pause(self) -> list[tuple[int, Completion]]:
         finished = []

@@ -49,6 +49,7 @@ from rlhf.scoring import merge_reward_metrics, print_lines
 from rlhf.types import Completion, PromptRow, RolloutBatch, SampleRequest, mix_seed
 
 ENDED = ("stop", "length")
+STOP_S = 0.25  # how long `finish` may wait for a split layout's engines to notice it
 
 
 @dataclass
@@ -116,8 +117,9 @@ class RolloutStream:
         self.groups: dict[int, Group] = {}  # started and not trained, by id
         self.next_group = 0
         self.aborted = 0  # samples given back aborted outside a pause, this window
-        # "Split layouts": the engines go on while the learners train, until `finish`.
-        self.run_ahead = cfg.cluster.placement == "split"
+        # "Split layouts": the engines go on while the learners train, until `finish` (partial only:
+        # streaming on-policy, what they made meanwhile would be a version old).
+        self.run_ahead = cfg.cluster.placement == "split" and self.staleness > 0
         self._ahead: Future | None = None
         self._stop = threading.Event()
         self._version = 0  # of the tokens being generated
@@ -170,10 +172,10 @@ class RolloutStream:
                 self._stop.clear()
             self._pause()
 
-    def _generate(self, step: int, spec: Any) -> bool:
+    def _generate(self, step: int, spec: Any, timeout_s: float | None = None) -> bool:
         """One poll of the engines: its samples received, new groups admitted, complete ones scored.
-        False when nothing is in flight."""
-        finished = self.engines.poll()
+        False when none finished: nothing in flight, or `timeout_s` passed."""
+        finished = self.engines.poll(timeout_s)
         if not finished:
             return False
         again = self._receive(finished, step)
@@ -182,8 +184,10 @@ class RolloutStream:
         return True
 
     def _generate_until_stopped(self, step: int, spec: Any) -> None:
-        while not self._stop.is_set() and self._generate(step, spec):
-            pass
+        """"Split layouts": poll until `finish` says stop (within STOP_S) or no sample runs."""
+        while not self._stop.is_set():
+            if not self._generate(step, spec, timeout_s=STOP_S) and all(g.complete for g in self.groups.values()):
+                return
 
     def _pause(self) -> None:
         self._receive(self.engines.pause(), self._version, paused=True)

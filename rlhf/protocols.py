@@ -69,9 +69,9 @@ class SampleStream(Protocol):
         own token limit and seed) on whichever engine has room; return at once."""
         ...
 
-    def poll(self) -> list[tuple[int, Completion]]:
+    def poll(self, timeout_s: float | None = None) -> list[tuple[int, Completion]]:
         """(key, completion) of samples finished since the last call, waiting until there is at least
-        one; [] only when none is in flight."""
+        one; [] when none is in flight, or none finished within `timeout_s` (None: no limit)."""
         ...
 
     def pause(self) -> list[tuple[int, Completion]]:

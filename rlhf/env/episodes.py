@@ -31,6 +31,7 @@ Decisions (each a section of docs/design/episodes.md):
 from __future__ import annotations
 
 import inspect
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -324,18 +325,20 @@ class EpisodeStream:
         self._on_engines += len(requests)
         self.turns.add(requests, sampling)
 
-    def poll(self) -> list[tuple[int, Completion]]:
-        while not self._done:
+    def poll(self, timeout_s: float | None = None) -> list[tuple[int, Completion]]:
+        end = None if timeout_s is None else time.perf_counter() + timeout_s
+        while not self._done and (end is None or time.perf_counter() < end):
             for future in [f for f in self._stepping if f.done()]:
                 self._observed(self._stepping.pop(future), future.result())
             if self._done:
                 break
+            left = None if end is None else max(end - time.perf_counter(), 0.0)
             if self._on_engines:
-                for key, c in self.turns.poll():
+                for key, c in self.turns.poll(left):
                     self._on_engines -= 1
                     self._turn_ended(key, c)
             elif self._stepping:
-                wait(list(self._stepping), return_when=FIRST_COMPLETED)
+                wait(list(self._stepping), timeout=left, return_when=FIRST_COMPLETED)
             else:
                 return []
         done, self._done = self._done, []

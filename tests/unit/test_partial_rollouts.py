@@ -53,7 +53,7 @@ class FakeStream:
             assert r.key not in self.running
             self.running[r.key] = [r, []]
 
-    def poll(self):
+    def poll(self, timeout_s=None):
         if self.fail:
             raise RuntimeError("engine 0 died during stream")
         self._fill()
@@ -284,6 +284,8 @@ def test_on_a_split_layout_the_engines_go_on_while_the_learners_train():
     cfg = _config(steps=6, extra=["cluster.placement=split"])
     stream, engine = _stream(cfg)
     assert stream.run_ahead
+    on_policy = _config(rollouts="stream", staleness=0, over=1.0, extra=["cluster.placement=split"])
+    assert not _stream(on_policy)[0].run_ahead  # what it made meanwhile would be a version old
     ticks, trained = [], []
     for step in range(6):
         r = stream.next(step)
