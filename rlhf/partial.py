@@ -154,8 +154,8 @@ class RolloutStream:
             batch.rewards = torch.cat([r for r, _ in scores])
             batch.reward_metrics = merge_reward_metrics([(size, m) for _, m in scores])
         if self.aborted:  # said, as well as counted
-            print_lines([f"warning: step {step}: the engines aborted {self.aborted} samples by themselves; each is "
-                         "continued from the tokens it had and trained only once it ends (partial/aborted_samples)"])
+            print_lines([(f"warning: step {step}: the engines aborted {self.aborted} samples by themselves; each is "
+                          "continued from the tokens it had and trained only once it ends (partial/aborted_samples)")])
         if self.run_ahead:  # "Split layouts"
             self._ahead = self._thread.submit(self._generate_until_stopped, step, spec)
         return batch
