@@ -323,14 +323,25 @@ def test_batch_decode_equals_vllms_own_detokenizer(vllm_gen, tiny_qwen2):
 # --------------------------------------------------------------------------- (f)
 
 
+WAIT_S = 120.0  # a `stream` call's time limit in these tests: each returns when a sample ends, however slow the host
+
+
+@pytest.fixture
+def streaming(vllm_gen):
+    """The module's engine with no streaming sample left from a test before, nor after this one."""
+    vllm_gen.stop_stream()
+    yield vllm_gen
+    vllm_gen.stop_stream()
+
+
 def _stream_all(gen, requests, sampling) -> dict[int, Completion]:
-    done = dict(gen.stream(requests, sampling))
+    done = dict(gen.stream(requests, sampling, max_s=WAIT_S))
     while len(done) < len(requests):
-        done.update(gen.stream([], sampling))
+        done.update(gen.stream([], sampling, max_s=WAIT_S))
     return done
 
 
-def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(vllm_gen, tiny_qwen2):
+def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(streaming, tiny_qwen2):
     """(g) Streaming ("Streaming" in actors.vllm_generator): samples come back as each ends, at
     their own limits; a paused sample hands back its tokens and log-probs, and continued as prompt +
     tokens under the same weights it ends where it would have (greedy), its log-probs still the
@@ -341,11 +352,12 @@ def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(vllm_ge
     limits = [3, 9, 30, 60]
     requests = [SampleRequest(key=10 + i, prompt_ids=PROMPTS[i % 3], max_new_tokens=n, seed=i)
                 for i, n in enumerate(limits)]
-    first = vllm_gen.stream(requests, sampling)
+    vllm_gen = streaming
+    first = vllm_gen.stream(requests, sampling, max_s=WAIT_S)
     assert [k for k, _ in first] == [10]  # the shortest ends first, alone
     done = dict(first)
     while len(done) < 3:
-        done.update(vllm_gen.stream([], sampling))
+        done.update(vllm_gen.stream([], sampling, max_s=WAIT_S))
     assert sorted(done) == [10, 11, 12]
     assert [len(done[10 + i].token_ids) for i in range(3)] == limits[:3]
     assert all(c.finish_reason == "length" for c in done.values())
@@ -353,7 +365,7 @@ def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(vllm_ge
     assert list(paused) == [13] and paused[13].finish_reason == "abort"
     part = paused[13]
     assert 0 < len(part.token_ids) < 60 and len(part.logprobs) == len(part.token_ids)
-    assert vllm_gen.stream([], sampling) == []  # nothing left running
+    assert vllm_gen.stream([], sampling, max_s=WAIT_S) == []  # nothing left running
     rest = _stream_all(vllm_gen, [SampleRequest(13, PROMPTS[0] + part.token_ids, 60 - len(part.token_ids))],
                        sampling)[13]
     whole = part.token_ids + rest.token_ids
@@ -363,11 +375,12 @@ def test_streaming_samples_finish_one_by_one_and_pause_with_their_tokens(vllm_ge
     assert max(abs(a - b) for a, b in zip(part.logprobs + rest.logprobs, ref)) < 1e-3
 
 
-def test_streamed_samples_are_their_seeds_and_forced_lengths_their_own(vllm_gen):
+def test_streamed_samples_are_their_seeds_and_forced_lengths_their_own(streaming):
     """The same seeded request streams the same tokens beside other samples or alone; `generate` with
     forced lengths gives each completion its own limit, grouped as without them."""
     from rlhf.types import SampleRequest
 
+    vllm_gen = streaming
     sampling = SamplingSpec(n=1, max_new_tokens=16, temperature=1.0, ignore_eos=True)
     alone = _stream_all(vllm_gen, [SampleRequest(1, PROMPTS[1], 12, seed=77)], sampling)[1]
     crowd = _stream_all(vllm_gen, [SampleRequest(k, PROMPTS[k % 3], 5 + k, seed=k) for k in range(2, 9)]
@@ -382,11 +395,14 @@ def test_streamed_samples_are_their_seeds_and_forced_lengths_their_own(vllm_gen)
     assert [c.token_ids for c in tail] == [c.token_ids for c in out[2:]]
 
 
-def test_sleep_or_generate_with_streaming_samples_running_is_refused(vllm_gen):
+def test_sleep_or_generate_with_streaming_samples_running_is_refused(streaming):
     from rlhf.types import SampleRequest
 
+    vllm_gen = streaming
     sampling = SamplingSpec(n=1, max_new_tokens=40, temperature=1.0, ignore_eos=True)
-    vllm_gen.stream([SampleRequest(5, PROMPTS[0], 40, seed=1), SampleRequest(6, PROMPTS[1], 2, seed=1)], sampling)
+    first = vllm_gen.stream([SampleRequest(5, PROMPTS[0], 40, seed=1), SampleRequest(6, PROMPTS[1], 2, seed=1)],
+                            sampling, max_s=WAIT_S)
+    assert [k for k, _ in first] == [6]
     with pytest.raises(RuntimeError, match="stop_stream first"):
         vllm_gen.sleep()
     with pytest.raises(RuntimeError, match="stop_stream first"):
