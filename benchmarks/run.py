@@ -312,7 +312,9 @@ def launch(cmd: list[str], *, env: dict[str, str], log: Path, metrics: Path | No
                     stop_group(proc)
                     break
                 time.sleep(poll_s)
-        finally:
+        finally:  # an exception here (a failed sample, Ctrl-C) leaves nothing of the side running
+            if proc.poll() is None:
+                stop_group(proc)
             _RUNNING.discard(proc)
     return {"returncode": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t_launch,
             "peak_mem_gib": peak_mem,

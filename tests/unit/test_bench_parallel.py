@@ -549,3 +549,28 @@ def test_gpu_busy_share_is_the_mean_utilization_after_start_up():
     assert busy_share(samples, None) is None and busy_share([], 3.0) is None
     assert summarize({"steps": [], "gpu_busy_samples": samples, "startup_s": 5.0}, "grpo")["gpu_busy"] == \
         pytest.approx(0.5)
+
+
+def test_a_side_whose_sampling_fails_is_stopped_not_left_running(monkeypatch, tmp_path):
+    """An exception inside `launch` (here nvidia-smi's sample) stops the side's process group before it
+    propagates: nothing of a side outlives the runner (a GPU machine keeps no stray run)."""
+    import os
+
+    import time
+
+    pid_file = tmp_path / "pid"
+
+    def broken(field: str, unit: float = 1024) -> dict[str, float]:
+        deadline = time.monotonic() + 60  # the side is up first, so that there is something to stop
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError("nvidia-smi answered garbage")
+
+    monkeypatch.setattr(run, "gpu_query", broken)
+    child = f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)"
+    with pytest.raises(RuntimeError, match="garbage"):
+        run.launch([sys.executable, "-c", child], env={}, log=tmp_path / "log.txt", metrics=None, timeout=60,
+                   poll_s=0.05)
+    assert not run._RUNNING
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(int(pid_file.read_text()), 0)
