@@ -160,17 +160,17 @@ def force_lengths(llm: Any, cfg: Any) -> None:
     """Our forced lengths (`generation.forced_lengths`) on TRL's colocated vLLM: TRL sends one copy of a
     prompt per completion, in our order, so the run's completion i is sample i % G of group i // G and
     gets that sample's limit (rlhf.data.lengths), as ours does."""
-    from rlhf.data.lengths import forced_lengths
+    from rlhf.data.lengths import group_lengths
 
     generate, seen, g = llm.generate, [0], cfg.grpo.group_size
 
     def per_completion(prompts: list[Any], sampling_params: Any = None, **kwargs: Any) -> Any:
+        first, last = seen[0] // g, (seen[0] + len(prompts) - 1) // g
+        limits = [n for group in range(first, last + 1) for n in group_lengths(cfg, group)]
         params = []
         for i in range(len(prompts)):
-            group, j = divmod(seen[0] + i, g)
-            limit = forced_lengths(cfg.generation.forced_lengths, cfg.generation.max_new_tokens, cfg.seed, group, g)[j]
             params.append(sampling_params.clone())
-            params[-1].max_tokens = limit
+            params[-1].max_tokens = limits[seen[0] + i - first * g]
         seen[0] += len(prompts)
         return generate(prompts, sampling_params=params, **kwargs)
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
-from rlhf.data.lengths import forced_lengths
+from rlhf.data.lengths import group_lengths
 from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler, EpisodeStream
 from rlhf.protocols import RewardScorer, SampleStream
@@ -207,23 +207,22 @@ class RolloutStream:
                and len(self.groups) < untrained_cap):
             row, ids = self.prompts.take(1)[0]
             g = self.next_group
-            limits = forced_lengths(self.cfg.generation.forced_lengths, self.cfg.generation.max_new_tokens,
-                                    self.cfg.seed, g, self.cfg.grpo.group_size)
-            group = Group(g, row, list(ids), step, [Sample(limit) for limit in limits])
+            group = Group(g, row, list(ids), step, [Sample(limit) for limit in group_lengths(self.cfg, g)])
             self.groups[g], self.next_group = group, g + 1
-            for j in range(len(limits)) if self.episodes is not None else ():
-                self.episodes.start(self.samples_key(group, j), row)
-            requests += [self._request(group, j) for j in range(len(group.samples))]
+            for j in range(len(group.samples)):
+                if self.episodes is not None:
+                    self.episodes.start(self._key(group, j), row)
+                requests.append(self._request(group, j))
         return requests
 
     def _request(self, group: Group, j: int) -> SampleRequest:
-        s = self.samples_key(group, j)
-        sample = group.samples[j]
-        return SampleRequest(key=s, prompt_ids=group.prompt_ids + sample.token_ids,
+        key, sample = self._key(group, j), group.samples[j]
+        return SampleRequest(key=key, prompt_ids=group.prompt_ids + sample.token_ids,
                              max_new_tokens=sample.limit - len(sample.token_ids),
-                             seed=mix_seed(mix_seed(self.cfg.seed, s), len(sample.token_ids)))
+                             seed=mix_seed(mix_seed(self.cfg.seed, key), len(sample.token_ids)))
 
-    def samples_key(self, group: Group, j: int) -> int:
+    def _key(self, group: Group, j: int) -> int:
+        """Sample j of `group`'s key ("Groups"); `_receive` inverts it."""
         return group.id * self.cfg.grpo.group_size + j
 
     def _receive(self, finished: list[tuple[int, Completion]], step: int, paused: bool = False
@@ -249,8 +248,12 @@ class RolloutStream:
                 tokens = [s.completion().model_token_ids() for s in g.samples]
                 g.scored = self._scoring.submit(self.scorer.score, [g.row] * len(tokens), tokens)
 
+    def _is_due(self, group: Group, step: int) -> bool:
+        """"Due": the group is trained at step `step` at the latest."""
+        return group.version <= step - self.staleness
+
     def _due(self, step: int) -> list[Group]:
-        return [g for g in self.groups.values() if g.version <= step - self.staleness]
+        return [g for g in self.groups.values() if self._is_due(g, step)]
 
     def _complete_count(self) -> int:
         return sum(g.complete for g in self.groups.values())
@@ -262,7 +265,7 @@ class RolloutStream:
     def _select(self, step: int) -> list[Group]:
         """Per "Selection": the due groups, then complete ones oldest first, prompts_per_step at least."""
         due = self._due(step)
-        rest = sorted((g for g in self.groups.values() if g.complete and g.version > step - self.staleness),
+        rest = sorted((g for g in self.groups.values() if g.complete and not self._is_due(g, step)),
                       key=lambda g: (g.version, g.id))
         return due + rest[:max(self.cfg.grpo.prompts_per_step - len(due), 0)]
 

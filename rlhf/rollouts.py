@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.data.lengths import forced_lengths
+from rlhf.data.lengths import group_lengths
 from rlhf.data.stream import PromptStream
 from rlhf.env.episodes import EpisodeSampler
 from rlhf.protocols import Generator, PendingGeneration
@@ -168,8 +168,7 @@ def sampling_spec(cfg: RunConfig, step: int, round: int = 0) -> SamplingSpec:
     lengths: tuple[int, ...] = ()
     if gen.forced_lengths != "none":
         first = (step + round * cfg.grpo.steps) * p
-        lengths = tuple(n for i in range(p) for n in forced_lengths(gen.forced_lengths, gen.max_new_tokens,
-                                                                     cfg.seed, first + i, cfg.grpo.group_size))
+        lengths = tuple(n for i in range(p) for n in group_lengths(cfg, first + i))
     return SamplingSpec(
         n=cfg.grpo.group_size, max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
         top_p=gen.top_p, top_k=gen.top_k, seed=cfg.seed * 1_000_003 + step + (round << 32),

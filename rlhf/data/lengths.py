@@ -11,13 +11,17 @@ mode of ours, generates the same number of tokens for the same prompt.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from rlhf.config import RunConfig
+
 MEDIAN_FRAC = 3 / 32
 TAIL_FRAC, TAIL_SHARE = 3 / 4, 0.01
-Z_99 = 2.3263478740408408  # the standard normal's 99th percentile
-SIGMA = math.log(TAIL_FRAC / MEDIAN_FRAC) / Z_99
+SIGMA = math.log(TAIL_FRAC / MEDIAN_FRAC) / NormalDist().inv_cdf(1 - TAIL_SHARE)
 
 
 def forced_lengths(kind: str, cap: int, seed: int, group: int, n: int) -> list[int]:
@@ -30,3 +34,10 @@ def forced_lengths(kind: str, cap: int, seed: int, group: int, n: int) -> list[i
     rng = np.random.default_rng([seed, group])
     draws = rng.lognormal(math.log(MEDIAN_FRAC * cap), SIGMA, size=n)
     return [int(min(max(round(x), 1), cap)) for x in draws]
+
+
+def group_lengths(cfg: RunConfig, group: int) -> list[int]:
+    """The token limits of the run's g-th group's completions under `cfg` (the one rule every rollout
+    mode and every benchmark side uses)."""
+    gen = cfg.generation
+    return forced_lengths(gen.forced_lengths, gen.max_new_tokens, cfg.seed, group, cfg.grpo.group_size)
